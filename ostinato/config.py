@@ -1,0 +1,97 @@
+"""Engine configuration: one dataclass, validated once in __post_init__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+CUDA_GRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know before it loads weights.
+
+    `dtype`, `device` and `attention_backend` accept "auto", resolved here: CUDA when present,
+    bfloat16 on CUDA and float32 on CPU, the Triton backend on CUDA and torch on CPU.
+    """
+
+    model: str = "tiny"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int = 256 * 2**20  # bytes of KV cache on CPU
+    num_kv_blocks: int | None = None  # overrides both sizings; for tests
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    cuda_graph_mode: str = "full_and_piecewise"
+    enforce_eager: bool = False
+    max_capture_size: int = 512
+    capture_sizes: list[int] | None = None
+    check_graphs: int = 0
+    debug_graph_addresses: bool = False
+    max_waiting_requests: int = 1024
+    trust_remote_code: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = default_device()
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {self.device!r}: use 'cpu', 'cuda' or 'auto'")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.is_cuda else "float32"
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}: choose one of {sorted(DTYPES)}")
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.is_cuda else "torch"
+        mode = self.cuda_graph_mode.lower()
+        if mode not in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"unknown cuda_graph_mode {self.cuda_graph_mode!r}: choose one of {CUDA_GRAPH_MODES}"
+            )
+        self.cuda_graph_mode = mode
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_capture_size < 1:
+            raise ValueError(f"max_capture_size must be at least 1, got {self.max_capture_size}")
+        if self.capture_sizes is not None and any(s < 1 for s in self.capture_sizes):
+            raise ValueError(f"capture_sizes must be positive, got {self.capture_sizes}")
+        if self.check_graphs < 0:
+            raise ValueError(f"check_graphs must be >= 0, got {self.check_graphs}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)

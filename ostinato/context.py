@@ -1,0 +1,54 @@
+"""Per-step state read by layers during a forward pass (set by the runner, read by attention)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV cache.
+
+    Device tensors are slices of the runner's persistent buffers (graphs captured their
+    addresses). Padded tokens have slot -1; padded requests have query length 0 and
+    sequence length 0. The `_cpu` copies are exact host mirrors, for backends that run eagerly.
+    """
+
+    num_tokens: int  # padded token count, the first dimension of q
+    num_reqs: int  # padded request count
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs], KV length including this step's tokens
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata | None
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per global layer index
+    backend: object  # AttentionBackend; typed loosely to keep this module import-free
+
+
+_context: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _context
+    previous, _context = _context, ctx
+    try:
+        yield ctx
+    finally:
+        _context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _context is None:
+        raise RuntimeError("attention ran outside a forward context: call the model via the runner")
+    return _context

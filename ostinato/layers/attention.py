@@ -1,0 +1,28 @@
+"""The attention layer models call. It knows nothing of graphs: the runtime may turn the
+call into a break between captured segments (see graphs/breakable.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ostinato.context import get_forward_context
+from ostinato.graphs.breakable import run_outside_graph
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KH, D] -> [T, H, D]."""
+        out = torch.empty_like(q)  # allocated before the break so its address is stable
+        return run_outside_graph(self._attend, q, k, v, out=out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ctx.backend.forward(q, k, v, out, k_cache, v_cache, ctx.attn_metadata, self.scale)

@@ -1,0 +1,19 @@
+"""What the engine hands back for a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # detokenized generated text so far (stop string removed)
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None  # per generated token: top-N id -> logprob
+    num_cached_tokens: int = 0
