@@ -65,7 +65,8 @@ class EngineConfig:
         mode = self.cuda_graph_mode.lower()
         if mode not in CUDA_GRAPH_MODES:
             raise ValueError(
-                f"unknown cuda_graph_mode {self.cuda_graph_mode!r}: choose one of {CUDA_GRAPH_MODES}"
+                f"unknown cuda_graph_mode {self.cuda_graph_mode!r}: "
+                f"choose one of {CUDA_GRAPH_MODES}"
             )
         self.cuda_graph_mode = mode
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):

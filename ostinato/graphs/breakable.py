@@ -1,15 +1,105 @@
-"""Breakable capture: PIECEWISE graphs with eager calls between captured segments.
+"""Breakable capture: a CUDA graph cut into segments with eager calls between them.
 
-Placeholder seam: outside a breakable capture `run_outside_graph` just calls fn.
+The attention layer calls `run_outside_graph(fn, *tensors, out=out)`. Outside a breakable
+capture that is just `fn(*tensors, out)`. During one, the current segment ends, the call is
+recorded, and the next segment begins on the same stream in the same memory pool. Replay runs
+segment, call, segment, ...: each call runs eagerly on the tensors captured at its place,
+and reads the live batch metadata (from the forward context) at that moment.
+
+Memory: every segment allocates from the one pool, and tensors that cross a break are held
+by the Python frames of the forward pass while capture runs, so no segment reuses them.
+Afterwards the recorded calls keep only non-owning aliases: the pool may hand those blocks
+to graphs captured later (smaller sizes), which is safe because graphs never replay
+concurrently and every block a replay reads was written earlier in the same replay. Only the
+final output stays owned, so it is stable until this graph's next replay.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
+_capturing: BreakableGraph | None = None  # the breakable capture under way, if any
 
-def run_outside_graph(fn: Callable[..., None], *tensors: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    fn(*tensors, out)
+
+def run_outside_graph(
+    fn: Callable[..., None], *tensors: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Call fn(*tensors, out), which writes out in place; during a breakable capture, make it
+    an eager step between two segments. `out` must be allocated before this call."""
+    if _capturing is None:
+        fn(*tensors, out)
+    else:
+        _capturing.add_break(fn, tensors, out)
     return out
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing t's memory without keeping it allocated (vLLM's weak_ref_tensor)."""
+    storage = t.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), t.device, storage.nbytes()
+    )
+    with torch.inference_mode(False):  # a normal tensor: replay may run in or out of inference
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        return view.set_(weak, t.storage_offset(), t.shape, t.stride())
+
+
+class BreakableGraph:
+    """One captured forward pass: segments and the eager calls between them. Captured with
+    breaks=False it is one plain CUDA graph in which run_outside_graph calls are captured like
+    any other op (FULL graphs)."""
+
+    def __init__(self, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
+        self.pool, self.stream = pool, stream
+        self.output: torch.Tensor | None = None
+        self.num_breaks = 0
+        self._steps: list[Callable[[], object]] = []  # segment replays and eager calls, in order
+        self._segment: torch.cuda.CUDAGraph | None = None  # the segment being captured
+
+    def capture(self, fn: Callable[[], torch.Tensor], breaks: bool = True) -> torch.Tensor:
+        """Capture fn() on self.stream (not the current stream: capture needs a side stream).
+        The caller warms fn up and synchronises first."""
+        global _capturing
+        if _capturing is not None:
+            raise RuntimeError("a breakable capture is already under way")
+        with torch.cuda.stream(self.stream):
+            self._begin_segment()
+            _capturing = self if breaks else None
+            try:
+                self.output = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # end the capture; report the first error
+                    self._end_segment()
+                raise
+            finally:
+                _capturing = None
+            self._end_segment()
+        return self.output
+
+    def add_break(
+        self, fn: Callable[..., None], tensors: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> None:
+        """Called by run_outside_graph during capture: end the segment, record, begin anew."""
+        self._end_segment()
+        self._steps.append(partial(fn, *map(alias, tensors), alias(out)))
+        self.num_breaks += 1
+        self._begin_segment()
+
+    def replay(self) -> torch.Tensor:
+        """Run on the current stream; inputs must already be in the captured buffers."""
+        for step in self._steps:
+            step()
+        return self.output
+
+    def _begin_segment(self) -> None:
+        self._segment = torch.cuda.CUDAGraph()
+        self._segment.capture_begin(pool=self.pool)
+
+    def _end_segment(self) -> None:
+        segment, self._segment = self._segment, None
+        segment.capture_end()
+        self._steps.append(segment.replay)

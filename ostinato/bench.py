@@ -1,0 +1,198 @@
+"""ostinato bench {latency,throughput,startup}: time the engine against the memory floor."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+from ostinato.config import EngineConfig
+from ostinato.engine.engine import LLMEngine
+from ostinato.sampling_params import SamplingParams
+
+
+def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    bench = sub.add_parser("bench", help="measure latency, throughput or start-up")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    for name, help_text in (
+        ("latency", "time per output token and time to first token of one batch"),
+        ("throughput", "tokens per second over many requests"),
+        ("startup", "load seconds, capture seconds, graph count and graph memory"),
+    ):
+        p = kinds.add_parser(name, help=help_text)
+        p.add_argument("--json", action="store_true", help="print one JSON object per result")
+        add_engine_args(p)
+        p.set_defaults(func=lambda args: run_bench(args))
+    for p in (kinds.choices["latency"], kinds.choices["throughput"]):
+        p.add_argument("--batch-size", type=int, default=1, help="requests (default 1)")
+        p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
+        p.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
+    kinds.choices["latency"].add_argument(
+        "--iters", type=int, default=3, help="timed runs; the median is reported (default 3)"
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from ostinato.cli import engine_config
+
+    # --cuda-graph-mode may list several modes: they run one after another in this process.
+    modes = args.cuda_graph_mode.split(",")
+    bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
+    for mode in modes:
+        config = engine_config(args, cuda_graph_mode=mode)
+        result = BENCHES[args.bench](config, args, bandwidth)
+        result.update(bench=args.bench, model=config.model, requested_mode=mode)
+        _emit(result, args.json)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+def _emit(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result), flush=True)
+    else:
+        print("  ".join(f"{k}={_fmt(v)}" for k, v in result.items()), flush=True)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _build(config: EngineConfig) -> tuple[LLMEngine, float]:
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    return engine, time.perf_counter() - start
+
+
+def _prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts; a new seed per run keeps the prefix cache from serving them."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(engine.vocab_size, 30000)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def _sync(engine: LLMEngine) -> None:
+    if engine.config.is_cuda:
+        torch.cuda.synchronize()
+
+
+def _timed_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """Seconds to the first token of every request, and seconds per later step."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    _sync(engine)
+    start = time.perf_counter()
+    first_done = None
+    started: set[str] = set()
+    decode_steps = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first_done is None:
+            started.update(o.request_id for o in outs)
+            if len(started) == len(prompts):
+                _sync(engine)
+                first_done = time.perf_counter()
+        else:
+            decode_steps += 1
+    _sync(engine)
+    end = time.perf_counter()
+    ttft = first_done - start
+    return ttft, (end - first_done) / max(decode_steps, 1)
+
+
+def bench_latency(config: EngineConfig, args, bandwidth: float | None) -> dict:
+    engine, _ = _build(config)
+    n, length = args.batch_size, args.input_len
+    _timed_run(engine, _prompts(engine, n, length), min(args.output_len, 8))  # compile, warm up
+    runs = sorted(
+        _timed_run(engine, _prompts(engine, n, length, seed), args.output_len)
+        for seed in range(1, args.iters + 1)
+    )
+    ttft, tpot = runs[len(runs) // 2]
+    report = engine.graph_report()
+    result = {
+        "mode": report.get("cuda_graph_mode"),
+        "batch_size": args.batch_size,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "tpot_ms": tpot * 1e3,
+        "ttft_ms": ttft * 1e3,
+        "steps": report.get("steps"),
+    }
+    if bandwidth:
+        floor = decode_floor_bytes(engine, args.batch_size, args.input_len + args.output_len // 2)
+        result.update(
+            copy_bandwidth_gbs=bandwidth / 1e9,
+            floor_ms=floor / bandwidth * 1e3,
+            ratio_to_floor=tpot / (floor / bandwidth),
+        )
+    del engine
+    return result
+
+
+def bench_throughput(config: EngineConfig, args, bandwidth: float | None) -> dict:
+    engine, _ = _build(config)
+    _timed_run(engine, _prompts(engine, 2, args.input_len), 4)
+    prompts = _prompts(engine, args.batch_size, args.input_len, seed=1)
+    _sync(engine)
+    start = time.perf_counter()
+    _timed_run(engine, prompts, args.output_len)
+    seconds = time.perf_counter() - start
+    total_out = args.batch_size * args.output_len
+    return {
+        "mode": engine.graph_report().get("cuda_graph_mode"),
+        "requests": args.batch_size,
+        "seconds": seconds,
+        "output_tokens_per_s": total_out / seconds,
+        "total_tokens_per_s": (total_out + args.batch_size * args.input_len) / seconds,
+    }
+
+
+def bench_startup(config: EngineConfig, args, bandwidth: float | None) -> dict:
+    engine, build_s = _build(config)
+    report = engine.graph_report()
+    capture_s = report.get("capture_seconds", 0.0)
+    return {
+        "mode": report.get("cuda_graph_mode"),
+        "startup_s": build_s,
+        "load_s": build_s - capture_s,
+        "capture_s": capture_s,
+        "num_graphs": sum(len(v) for v in report.get("captured", {}).values()),
+        "graph_memory_gib": report.get("graph_memory_bytes", 0) / 2**30,
+        "kv_blocks": engine.runner.num_blocks,
+    }
+
+
+BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "startup": bench_startup}
+
+
+def decode_floor_bytes(engine: LLMEngine, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight once, plus the KV of every request."""
+    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    kv_per_token = engine.runner.kv_block_bytes // engine.config.block_size
+    return weights + batch * context * kv_per_token
+
+
+def copy_bandwidth(num_bytes: int = 2**30) -> float:
+    """Device-to-device copy rate in bytes per second, counting bytes read plus written."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * num_bytes / sorted(times)[len(times) // 2]

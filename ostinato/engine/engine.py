@@ -1,0 +1,166 @@
+"""The synchronous engine: requests in, one scheduler step at a time, outputs out."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from ostinato.config import EngineConfig
+from ostinato.engine.block_manager import BlockManager
+from ostinato.engine.detokenizer import IncrementalDetokenizer
+from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.sequence import Sequence
+from ostinato.loader import load_hf_config
+from ostinato.outputs import RequestOutput
+from ostinato.runner.model_runner import ModelRunner
+from ostinato.sampling_params import SamplingParams
+from ostinato.tokenizer import load_tokenizer
+
+logger = logging.getLogger("ostinato")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_name = config.model
+        self.hf_config = load_hf_config(config.model)
+        self.vocab_size = self.hf_config.vocab_size
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = ModelRunner(config, self.hf_config)
+        num_blocks = self.runner.num_blocks
+        if num_blocks * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len={config.max_model_len}: give it more memory or lower max_model_len"
+            )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.requests: dict[str, Sequence] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of prompt, or a ValueError naming what is wrong with it."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token id")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token id")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.config.max_model_len}: shorten the prompt or raise max_model_len"
+            )
+        return token_ids
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        token_ids = self.encode_prompt(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running: use a new id")
+        seq = Sequence(request_id, token_ids, params)
+        self.requests[request_id] = seq
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(seq)
+        self.prompt_tokens_total += len(token_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            self.detokenizers.pop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        result = self.runner.execute(batch)
+        for seq, q in zip(batch.seqs, batch.query_lens, strict=True):
+            seq.num_computed_tokens += q
+            self.block_manager.commit(seq)
+        if result is None:
+            return []
+        seqs, sampled = result
+        outputs = []
+        for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            outputs.append(self._append_token(seq, token, logprobs))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        self.generation_tokens_total += 1
+        detok = self.detokenizers[seq.request_id]
+        detok.update(seq.output_token_ids)
+        reason = self._finish_reason(seq, token, detok)
+        if reason is not None and not detok.text_stopped:
+            detok.update(seq.output_token_ids, final=True)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id], self.detokenizers[seq.request_id]
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=detok.text,
+            new_token_ids=[token],
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=seq.logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _finish_reason(
+        self, seq: Sequence, token: int, detok: IncrementalDetokenizer
+    ) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.tokenizer.eos_token_id):
+            return "stop"
+        for stop in p.stop:
+            at = detok.text.find(stop)
+            if at != -1:
+                detok.text = detok.text[:at]
+                detok.text_stopped = True
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ---- reports -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def graph_report(self) -> dict:
+        return self.runner.graph_report()

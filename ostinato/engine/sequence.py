@@ -1,0 +1,62 @@
+"""One request as the engine tracks it: its tokens, its KV blocks, its progress."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ostinato.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of the full blocks, in order
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: its blocks are gone, so every token is computed again on resume."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids = []

@@ -1,0 +1,60 @@
+"""Which batch sizes get a graph: two separate ladders, and padding to them."""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ostinato.config import EngineConfig
+
+
+def default_ladder(cap: int) -> list[int]:
+    """[1, 2, 4, 8] + 16..256 step 16 + 288.. step 32, up to cap; cap itself is added when
+    the ladder stops short of it, so every batch up to the limit can be graphed."""
+    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(288, cap + 1, 32)]
+    sizes = [s for s in ladder if s <= cap]
+    return sizes if cap < 1 or cap in sizes else [*sizes, cap]
+
+
+def ladder(cap: int, override: Iterable[int] | None) -> tuple[int, ...]:
+    if override is None:
+        return tuple(default_ladder(cap))
+    return tuple(sorted({s for s in override if s <= cap}))
+
+
+def padded_size(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest size >= n in an ascending list, or None when n is above them all."""
+    i = bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """token_sizes: padded num_tokens of PIECEWISE graphs (and of FULL graphs in mode full),
+    bounded by max_capture_size and max_num_batched_tokens.
+    decode_sizes: padded num_reqs of FULL uniform-decode graphs (num_tokens = num_reqs * q),
+    bounded by max_num_seqs and max_num_batched_tokens // q.
+    """
+
+    token_sizes: tuple[int, ...]
+    decode_sizes: tuple[int, ...]
+    max_num_seqs: int
+    decode_query_len: int = 1  # q = 1 + speculative tokens; 1 until speculative decoding exists
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, decode_query_len: int = 1) -> CapturePlan:
+        max_tokens = min(config.max_capture_size, config.max_num_batched_tokens)
+        max_reqs = min(config.max_num_seqs, config.max_num_batched_tokens // decode_query_len)
+        return cls(
+            token_sizes=ladder(max_tokens, config.capture_sizes),
+            decode_sizes=ladder(max_reqs, config.capture_sizes),
+            max_num_seqs=config.max_num_seqs,
+            decode_query_len=decode_query_len,
+        )
+
+    def pad_tokens(self, num_tokens: int) -> int | None:
+        return padded_size(self.token_sizes, num_tokens)
+
+    def pad_reqs(self, num_reqs: int) -> int | None:
+        return padded_size(self.decode_sizes, num_reqs)

@@ -1,0 +1,25 @@
+"""RMSNorm over the last dimension, fused with the residual add when a residual is given."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ostinato.kernels import fused_add_rms_norm, rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With it: residual += x; x = norm(residual), both in place
+        (one kernel instead of three), returning (x, residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual

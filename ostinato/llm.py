@@ -1,0 +1,60 @@
+"""The offline API: LLM(model=...).generate(prompts)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from ostinato.config import EngineConfig
+from ostinato.engine.engine import LLMEngine
+from ostinato.outputs import RequestOutput
+from ostinato.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self, model: str = "tiny", *, config: EngineConfig | None = None, **kwargs
+    ) -> None:
+        """Build the engine from keyword arguments (see EngineConfig) or a ready config."""
+        self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in input order.
+
+        Every prompt is checked before any is queued, so a bad one raises ValueError and
+        leaves the engine as it was.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        token_ids = []
+        for i, prompt in enumerate(prompts):
+            try:
+                token_ids.append(self.engine.encode_prompt(prompt))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.add_request(t, p) for t, p in zip(token_ids, params, strict=True)]
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in ids]
+
+    def graph_report(self) -> dict:
+        return self.engine.graph_report()

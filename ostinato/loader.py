@@ -1,0 +1,225 @@
+"""Model configs and weights: a local Hugging Face directory, or a preset with random weights.
+
+`tiny` and `random:<preset>` build real architectures from configs written here (the shapes of
+the released models), so every benchmark runs without a download.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoConfig, PretrainedConfig
+
+from ostinato.config import EngineConfig
+from ostinato.models.llama import TIED
+from ostinato.models.registry import get_model_class
+
+_QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA3_ROPE,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+PRESETS: dict[str, dict] = {
+    # Qwen3-shaped and small enough for a CPU; its vocabulary covers the byte tokenizer
+    "tiny": {
+        **_QWEN3_0_6B,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,  # the Triton kernels take 64, 128 or 256
+        "vocab_size": 384,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+    },
+    "qwen3-0.6b": _QWEN3_0_6B,
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+    },
+    "llama-3.2-1b": {
+        **_LLAMA_3_1_8B,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "head_dim": 64,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0},
+        "tie_word_embeddings": True,
+    },
+    "llama-3.1-8b": _LLAMA_3_1_8B,
+}
+_SHOW_PROGRESS_BYTES = 2**30
+
+
+def is_random(model: str) -> bool:
+    """Whether `model` names a preset with random weights rather than a directory."""
+    return model == "tiny" or model.startswith("random:")
+
+
+def load_hf_config(model: str) -> PretrainedConfig:
+    """`tiny`, `random:<preset>` or a local Hugging Face directory -> its config."""
+    if is_random(model):
+        name = model.removeprefix("random:")
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+        preset = copy.deepcopy(PRESETS[name])  # transformers edits the nested rope dict
+        return AutoConfig.for_model(preset.pop("model_type"), **preset)
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(
+            f"model path {model!r} does not exist: give a local Hugging Face directory, "
+            f"'tiny' or 'random:<preset>' (presets: {', '.join(PRESETS)})"
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{model!r} has no config.json: it is not a Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def build_model(
+    hf_config: PretrainedConfig,
+    device: str | torch.device,
+    dtype: torch.dtype,
+    layer_range: tuple[int, int] | None = None,
+) -> nn.Module:
+    """The model with uninitialised parameters, allocated directly on `device` in `dtype`
+    (no CPU copy, no init kernels; 'meta' gives shapes only)."""
+    cls = get_model_class(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, layer_range)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_model(
+    config: EngineConfig, hf_config: PretrainedConfig, layer_range: tuple[int, int] | None = None
+) -> nn.Module:
+    """The model for `config.model` with its weights: from the directory's safetensors, or
+    seeded random ones for presets."""
+    model = build_model(hf_config, config.device, config.torch_dtype, layer_range)
+    if is_random(config.model):
+        init_random_weights(model, config.seed)
+    else:
+        try:
+            model.load_weights(iter_checkpoint(Path(config.model)))
+        except ValueError as e:
+            raise ValueError(f"{config.model}: {e}") from None
+    return model
+
+
+def init_random_weights(model: nn.Module, seed: int) -> None:
+    """Normal(0, 0.02) matrices, unit norms, zero biases, drawn on the model's device. Each
+    parameter is seeded by its name, so a pipeline stage gets the weights the whole model has."""
+    tied = model.config.tie_word_embeddings
+    generator = torch.Generator(next(model.parameters()).device)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            key = TIED[0] if tied and name in TIED else name  # a last stage's own tied head
+            generator.manual_seed(zlib.crc32(f"{seed}/{key}".encode()))  # the CPU uses 32 bits
+            param.normal_(0.0, 0.02, generator=generator)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The shards the index names, or every *.safetensors file when there is no index."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = [
+            path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ValueError(f"{index.name} names shards that are not there: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError("no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every shard, on the CPU; a progress bar in bytes for big checkpoints."""
+    files = checkpoint_files(path)
+    total = sum(f.stat().st_size for f in files)
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="Loading weights",
+        disable=total < _SHOW_PROGRESS_BYTES,
+    ) as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as shard:
+                for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    tensor = shard.get_tensor(name)
+                    yield name, tensor
+                    bar.update(tensor.numel() * tensor.element_size())

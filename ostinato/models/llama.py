@@ -1,0 +1,238 @@
+"""The Llama decoder (Llama 2/3.x; Mistral without a sliding window), shared by the Qwen models.
+
+Parameter names follow the Hugging Face checkpoints, except that q|k|v and gate|up are merged
+(`qkv_proj`, `gate_up_proj`: one matmul each) and layers are keyed by their global index, so a
+pipeline stage holding layers [start, end) reads the same names as the whole model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ostinato.layers.activation import SiluAndMul
+from ostinato.layers.attention import Attention
+from ostinato.layers.embedding import LMHead, VocabEmbedding
+from ostinato.layers.linear import Linear, MergedLinear, copy_weight
+from ostinato.layers.norm import RMSNorm
+from ostinato.layers.rotary import RotaryEmbedding, rope_parameters
+from ostinato.models.base import IntermediateTensors
+
+# checkpoint projection -> (merged module, shard)
+PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+TIED = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        heads, kv_heads, dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            head_dim(config),
+        )
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [heads * dim, kv_heads * dim, kv_heads * dim], qkv_bias
+        )
+        self.o_proj = Linear(heads * dim, config.hidden_size, o_bias)
+        # Qwen3 normalises each head of q and k before rotating them
+        self.q_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(heads, kv_heads, dim, layer_idx)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.heads, self.dim)
+        k = k.view(-1, self.kv_heads, self.dim)
+        v = v.view(-1, self.kv_heads, self.dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, **attn_options) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, **attn_options)
+        mlp_bias = getattr(config, "mlp_bias", False)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the MLP output and the residual stream before that output is added to it:
+        the next norm adds and normalises in one kernel."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+def check_supported(config) -> None:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported activation {config.hidden_act!r}: ostinato supports silu")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)  # Qwen: which layers use the window
+    sliding = "sliding_attention" in layer_types if layer_types else window is not None
+    if sliding and window < config.max_position_embeddings:
+        raise ValueError(
+            f"sliding-window attention (window {window} < {config.max_position_embeddings} "
+            "positions) is not supported"
+        )
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, layer_range: tuple[int, int] | None, **attn_options) -> None:
+        super().__init__()
+        check_supported(config)
+        num_layers = config.num_hidden_layers
+        self.start, self.end = layer_range or (0, num_layers)
+        if not 0 <= self.start < self.end <= num_layers:
+            raise ValueError(f"layer_range {layer_range} is not within the {num_layers} layers")
+        self.embed_tokens = (
+            VocabEmbedding(config.vocab_size, config.hidden_size) if self.start == 0 else None
+        )
+        self.rotary_emb = RotaryEmbedding(
+            head_dim(config), config.max_position_embeddings, rope_parameters(config)
+        )
+        self.layers = nn.ModuleDict(
+            {
+                str(i): LlamaDecoderLayer(config, i, self.rotary_emb, **attn_options)
+                for i in range(self.start, self.end)
+            }
+        )
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if self.end == num_layers else None
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            hidden = self.embed_tokens(input_ids)
+        else:
+            # a new tensor, so the layers' in-place norms never write into the received buffers
+            hidden = intermediate.hidden_states + intermediate.residual
+        residual = None
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:
+            return IntermediateTensors(hidden, residual)
+        return self.norm(hidden, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config, layer_range: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, layer_range, **self.attention_options(hf_config))
+        self.layer_range = (self.model.start, self.model.end)  # resolved: global [start, end)
+        self.lm_head = None
+        if self.model.norm is not None:
+            self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size)
+            if hf_config.tie_word_embeddings and self.model.embed_tokens is not None:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def attention_options(config) -> dict:
+        bias = getattr(config, "attention_bias", False)
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [num_tokens] (requests packed back to back). The last stage
+        returns the final-normed hidden states [num_tokens, hidden]; others the intermediates."""
+        return self.model(input_ids, positions, intermediate)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] in the model dtype."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names) into this stage's parameters; names
+        this stage does not hold are skipped. Raises ValueError if any parameter stays unfilled."""
+        params = dict(self.named_parameters())  # a tied weight appears once
+        loaded: set[tuple[str, int | None]] = set()
+        for ckpt_name, tensor in weights:
+            name, shard = merged_name(ckpt_name)
+            targets = TIED if self.config.tie_word_embeddings and name in TIED else (name,)
+            for target in (t for t in targets if t in params):
+                param = params[target]
+                try:
+                    if shard is None:
+                        copy_weight(param.data, tensor)
+                    else:
+                        param.weight_loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"{ckpt_name}: {e}") from None
+                loaded.add((target, shard))
+        expected = {
+            (name, shard)
+            for name, param in params.items()
+            for shard in (range(param.num_shards) if hasattr(param, "num_shards") else [None])
+        }
+        missing = sorted(checkpoint_name(*key) for key in expected - loaded)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"the checkpoint lacks weights: {', '.join(missing[:5])}{more}")
+
+
+def merged_name(name: str) -> tuple[str, int | None]:
+    """Checkpoint name -> (parameter name, shard of a merged parameter or None)."""
+    for part, (merged, shard) in PACKED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{merged}."), shard
+    return name, None
+
+
+def checkpoint_name(name: str, shard: int | None) -> str:
+    for part, (merged, s) in PACKED.items():
+        if s == shard and f".{merged}." in name:
+            return name.replace(f".{merged}.", f".{part}.")
+    return name

@@ -1,0 +1,107 @@
+"""Tiny random Hugging Face checkpoints for the oracle tests: a model and a tokenizer that both
+transformers and ostinato load from the same directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# Every shape small, head_dim 64 so the Triton kernels take it too; vocab above the tokenizer's.
+_COMMON = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.2,  # well above 0.02, so the outputs depend on the context
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": None,
+}
+ARCHS = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "rope_theta": 10000.0,
+            # original length below the test lengths, so the scaling changes the outputs
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),
+}
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",
+    "Hello world! Hello there, how are you today? I am fine, thank you.",
+    "once upon a time there was a little model that generated text 0123456789",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tokenizer(vocab_size: int = 300) -> transformers.PreTrainedTokenizerFast:
+    """Byte-level BPE trained on a fixed corpus (deterministic): any text round-trips. Ids
+    0 and 1 are <s> (prepended by encode) and </s> (EOS)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def make_hf_config(arch: str, **overrides) -> transformers.PretrainedConfig:
+    """arch: llama (llama3 rope scaling, untied), mistral, qwen2 (qkv bias, tied), qwen3
+    (q/k norm, untied); overrides are config fields."""
+    config_cls, model_arch, extra = ARCHS[arch]
+    kwargs = {**_COMMON, **extra, "architectures": [model_arch], **overrides}
+    return getattr(transformers, config_cls)(**kwargs)
+
+
+def make_hf_checkpoint(arch: str, path: str | Path, seed: int = 0, **overrides) -> Path:
+    """Writes a random float32 model (every parameter random, biases and norms included, so a
+    weight loaded into the wrong place shows) and a tokenizer into `path`. Pass
+    `max_shard_size="100KB"` to get a sharded checkpoint with an index file."""
+    path = Path(path)
+    shard_size = overrides.pop("max_shard_size", None)
+    config = make_hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            else:
+                param.normal_(0.0, config.initializer_range)
+    save_kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(path, **save_kwargs)
+    make_tokenizer(min(300, config.vocab_size)).save_pretrained(path)
+    return path

@@ -1,0 +1,133 @@
+"""The compatibility table as a matrix: modes x backends x devices x enforce_eager."""
+
+import itertools
+import logging
+
+import pytest
+
+from ostinato.attention import ATTENTION_BACKENDS, GraphSupport
+from ostinato.attention.triton_backend import TritonAttentionBackend
+from ostinato.config import CUDA_GRAPH_MODES, EngineConfig
+from ostinato.graphs.capture import GraphRunner
+from ostinato.graphs.compat import RULES, resolve
+
+# What each backend can keep of each mode on a CUDA device, written out by hand.
+EXPECTED = {
+    "triton": {m: m for m in CUDA_GRAPH_MODES},
+    "torch": {
+        "none": "none",
+        "piecewise": "piecewise",
+        "full": "piecewise",
+        "full_decode_only": "none",
+        "full_and_piecewise": "piecewise",
+    },
+}
+MATRIX = list(itertools.product(CUDA_GRAPH_MODES, ["torch", "triton"], ["cpu", "cuda"], [0, 1]))
+
+
+def first_rule(mode: str, device: str, eager: int) -> str:
+    """The rule that must explain a change, by its cause."""
+    if device == "cpu":
+        return "cpu_device"
+    if eager:
+        return "enforce_eager"
+    if mode == "full_decode_only":
+        return "backend_not_capturable_decode_only"
+    return "backend_not_capturable"
+
+
+def config(mode, backend="triton", device="cuda", eager=False, **kw) -> EngineConfig:
+    return EngineConfig(
+        device=device, attention_backend=backend, cuda_graph_mode=mode, enforce_eager=eager, **kw
+    )
+
+
+@pytest.mark.parametrize(("mode", "backend", "device", "eager"), MATRIX)
+def test_matrix(mode, backend, device, eager):
+    res = resolve(config(mode, backend, device, bool(eager)))
+    on_cpu_or_eager = device == "cpu" or eager
+    expected = "none" if on_cpu_or_eager else EXPECTED[backend][mode]
+    assert (res.requested.value, res.resolved.value) == (mode, expected)
+    if expected != mode:
+        assert res.decisions[0].rule == first_rule(mode, device, eager)
+    if mode == "none":
+        assert res.decisions == ()
+    for d in res.decisions:
+        assert d.reason and "{" not in d.reason
+    if device == "cpu" and mode != "none":
+        assert "CUDA graphs need a CUDA device" in res.decisions[0].reason
+
+
+@pytest.fixture
+def decode_only_backend(monkeypatch):
+    class DecodeOnly(TritonAttentionBackend):
+        name = "decode_only"
+        graph_support = GraphSupport.UNIFORM_DECODE
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, "decode_only", DecodeOnly)
+    return "decode_only"
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("full", "full_and_piecewise"), ("full_and_piecewise", "full_and_piecewise")]
+    + [("full_decode_only", "full_decode_only"), ("piecewise", "piecewise")],
+)
+def test_uniform_decode_backend_keeps_full_for_decode_only(decode_only_backend, mode, expected):
+    res = resolve(config(mode, decode_only_backend))
+    assert res.resolved.value == expected
+    changed = [d.rule for d in res.decisions][: int(mode != expected)]
+    assert changed == (["backend_full_for_decode_only"] if mode != expected else [])
+
+
+NO_TOKEN_SIZES = {"capture_sizes": [8], "max_capture_size": 4, "max_num_seqs": 16}
+NO_DECODE_SIZES = {"capture_sizes": [300], "max_capture_size": 512, "max_num_seqs": 256}
+NO_SIZES = {"capture_sizes": [1024]}
+
+
+@pytest.mark.parametrize(
+    ("mode", "limits", "expected"),
+    [
+        ("full_and_piecewise", NO_TOKEN_SIZES, "full_decode_only"),
+        ("full_and_piecewise", NO_DECODE_SIZES, "piecewise"),
+        ("full_and_piecewise", NO_SIZES, "none"),
+        ("full_decode_only", NO_DECODE_SIZES, "none"),
+        ("full", NO_TOKEN_SIZES, "none"),
+        ("piecewise", NO_TOKEN_SIZES, "none"),
+        ("piecewise", NO_DECODE_SIZES, "piecewise"),
+    ],
+)
+def test_capture_sizes_outside_every_limit(mode, limits, expected):
+    assert resolve(config(mode, **limits)).resolved.value == expected
+
+
+def test_every_rule_fires_somewhere(decode_only_backend):
+    configs = [config(m, b, d, bool(e)) for m, b, d, e in MATRIX]
+    configs += [config("full", decode_only_backend), config("full_and_piecewise", **NO_SIZES)]
+    fired = {d.rule for c in configs for d in resolve(c).decisions}
+    assert fired == {rule.name for rule in RULES}
+
+
+def test_note_names_the_largest_capture_size():
+    res = resolve(config("full_and_piecewise", max_capture_size=96))
+    assert [d.rule for d in res.decisions] == ["eager_above_capture_size"]
+    assert "more than 96 tokens" in res.decisions[0].reason
+
+
+def test_rules_are_logged_once_at_start_up(caplog):
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        runner = GraphRunner(config("full_and_piecewise", "torch"))
+    logged = [r.getMessage() for r in caplog.records if "rule" in r.getMessage()]
+    assert len(logged) == len(runner.resolution.decisions) == 2
+    assert "backend_not_capturable" in logged[0]
+
+
+def test_cpu_runner_runs_eagerly_and_reports_why():
+    runner = GraphRunner(EngineConfig(device="cpu"))
+    runner.capture(lambda desc: pytest.fail("nothing is captured on a CPU"))
+    assert runner.dispatch(5, 2, None)[0].value == "none"
+    report = runner.report()
+    assert report["cuda_graph_mode"] == "none"
+    assert report["decisions"][0]["rule"] == "cpu_device"
+    assert report["steps"] == {"none": 1, "piecewise": 0, "full": 0}
+    assert report["captured"] == {"full": [], "piecewise": []}

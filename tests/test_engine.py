@@ -1,0 +1,171 @@
+"""The engine on the tiny model: bad input, sampling, stopping, aborts, the CLI."""
+
+import pytest
+
+from ostinato import LLM, SamplingParams
+from ostinato.cli import main
+from ostinato.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", device="cpu", max_num_batched_tokens=64, max_model_len=256)
+
+
+def test_generate_returns_outputs_in_input_order(llm):
+    prompts = ["hello there", [1, 2, 3, 4], "a much longer prompt " * 8]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [5, 5, 5]
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    alone = llm.generate(prompts[1], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert alone[0].token_ids == outs[1].token_ids  # batching does not change greedy tokens
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ([1, 2, 10**9], "outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+        (list(range(1, 300)), "max_model_len"),
+    ],
+)
+def test_bad_prompt_is_rejected_up_front(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", prompt], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()  # the good prompt was not queued either
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"model": "/no/such/dir"}, "does not exist"),
+        ({"model": "random:nope"}, "preset"),
+        ({"dtype": "float13"}, "dtype"),
+        ({"cuda_graph_mode": "sometimes"}, "cuda_graph_mode"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ],
+)
+def test_bad_engine_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**{"model": "tiny", "device": "cpu", **kwargs})
+
+
+def test_model_dir_without_config(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    )
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(str(tmp_path), device="cpu")
+
+
+def test_seeded_sampling_is_reproducible_and_differs_by_seed(llm):
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=seed, max_tokens=8)
+        return llm.generate(["once upon"], params)[0].token_ids
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2) or sample(3) != sample(1)
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(["abc"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    top1 = llm.generate(
+        ["abc"], SamplingParams(temperature=0.9, top_k=1, max_tokens=6, ignore_eos=True)
+    )
+    assert greedy[0].token_ids == top1[0].token_ids
+
+
+def test_stop_token_and_stop_string(llm):
+    base = llm.generate(["xyz"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    stop_id = base.token_ids[3]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate(
+        ["xyz"], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[stop_id])
+    )
+    assert out[0].token_ids == base.token_ids[: first + 1] and out[0].finish_reason == "stop"
+    if len(base.text) >= 2:
+        stop = base.text[1:3] if base.text[1:3].strip() else base.text[1]
+        out = llm.generate(["xyz"], SamplingParams(temperature=0.0, max_tokens=8, stop=[stop]))
+        assert out[0].finish_reason == "stop" and stop not in out[0].text
+        assert base.text.startswith(out[0].text)
+
+
+def test_logprobs(llm):
+    out = llm.generate(
+        ["hi"], SamplingParams(temperature=0.0, max_tokens=3, logprobs=4, ignore_eos=True)
+    )[0]
+    assert len(out.logprobs) == 3
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and len(entry) in (4, 5)
+        assert entry[token] == max(entry.values())  # greedy picks the top logprob
+        assert all(v <= 0 for v in entry.values())
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    rid = engine.add_request("abort me please", SamplingParams(max_tokens=50, ignore_eos=True))
+    other = engine.add_request(
+        "keep me", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
+    engine.step()
+    engine.abort_request(rid)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert {o.request_id for o in outs if o.finished} == {other}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_cpu_engine_runs_without_graphs(llm):
+    report = llm.graph_report()
+    assert report["cuda_graph_mode"] == "none"
+    assert any("CUDA device" in d["reason"] for d in report["decisions"])
+
+
+def test_cli_generate(capsys):
+    assert main(["generate", "hi", "--max-tokens", "4", "--device", "cpu"]) == 0
+    assert "hi" in capsys.readouterr().out
+
+
+def test_cli_bad_input_exits_2_without_traceback(capsys):
+    assert main(["generate", "hi", "--model", "/no/such/dir", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
+
+
+def test_config_defaults_on_cpu():
+    config = EngineConfig(device="cpu")
+    assert config.dtype == "float32" and config.attention_backend == "torch"
+
+
+def test_cpu_report_counts_eager_steps():
+    llm = LLM("tiny", device="cpu", cuda_graph_mode="piecewise")
+    llm.generate(["count my steps"], SamplingParams(max_tokens=3, ignore_eos=True))
+    report = llm.graph_report()
+    assert report["requested_mode"] == "piecewise" and report["cuda_graph_mode"] == "none"
+    assert report["steps"]["none"] == 3 and report["steps"]["full"] == 0
+    assert report["captured"] == {"full": [], "piecewise": []}

@@ -1,0 +1,54 @@
+"""explain: the resolved mode, the decisions and the capture sizes, with no weights or GPU."""
+
+import json
+
+import pytest
+import torch
+
+from ostinato.config import EngineConfig
+from ostinato.graphs.explain import explain
+
+
+@pytest.fixture
+def no_cuda_calls(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("explain must not query CUDA")
+
+    for name in ("is_available", "device_count", "mem_get_info", "get_device_properties", "init"):
+        monkeypatch.setattr(torch.cuda, name, refuse)
+
+
+def test_cuda_config_on_a_machine_without_a_gpu(no_cuda_calls):
+    out = json.loads(json.dumps(explain(EngineConfig(device="cuda"))))
+    assert set(out) == {"cuda_graph_mode", "requested_mode", "decisions", "capture_sizes", "config"}
+    assert out["cuda_graph_mode"] == out["requested_mode"] == "full_and_piecewise"
+    assert out["capture_sizes"]["full"][-1] == 256
+    assert out["capture_sizes"]["piecewise"][-1] == 512
+    assert out["config"]["device"] == "cuda"
+    assert out["config"]["attention_backend"] == "triton"
+
+
+def test_torch_backend_downgrade_is_explained(no_cuda_calls):
+    out = explain(EngineConfig(device="cuda", attention_backend="torch"))
+    assert out["cuda_graph_mode"] == "piecewise"
+    assert out["decisions"][0]["rule"] == "backend_not_capturable"
+    assert "torch" in out["decisions"][0]["reason"]
+    assert out["capture_sizes"]["full"] == []
+
+
+def test_cpu_has_no_sizes():
+    out = explain(EngineConfig(device="cpu", cuda_graph_mode="full"))
+    assert out["cuda_graph_mode"] == "none"
+    assert out["capture_sizes"] == {"full": [], "piecewise": []}
+    assert "CUDA graphs need a CUDA device" in out["decisions"][0]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "full", "piecewise"),
+    [("full", 64, 0), ("full_decode_only", 8, 0), ("piecewise", 0, 64), ("none", 0, 0)],
+)
+def test_sizes_follow_the_mode(mode, full, piecewise):
+    cfg = EngineConfig(device="cuda", cuda_graph_mode=mode, max_num_seqs=8, max_capture_size=64)
+    sizes = explain(cfg)["capture_sizes"]
+    assert max(sizes["full"], default=0) == full
+    assert max(sizes["piecewise"], default=0) == piecewise

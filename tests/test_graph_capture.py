@@ -1,0 +1,155 @@
+"""Breakable capture and the graph runner on the CPU: the seam as a plain call, and capture
+bookkeeping with torch.cuda's graph calls replaced by a recorder.
+
+Nothing runs on a device here: these tests pin the order of segments, breaks, warm-ups and
+captures, and what the runner does when a size runs out of memory. tests/gpu checks numbers.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from ostinato.config import EngineConfig
+from ostinato.graphs import breakable
+from ostinato.graphs.breakable import BreakableGraph, alias, run_outside_graph
+from ostinato.graphs.capture import GraphRunner
+from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+
+
+def test_outside_capture_calls_fn_and_returns_out():
+    calls = []
+
+    def fn(a, b, out):
+        calls.append((a, b))
+        torch.add(a, b, out=out)
+
+    a, b, out = torch.ones(3), torch.full((3,), 2.0), torch.empty(3)
+    assert run_outside_graph(fn, a, b, out=out) is out
+    assert torch.equal(out, torch.full((3,), 3.0)) and len(calls) == 1
+
+
+def test_alias_views_the_same_memory():
+    base = torch.arange(12.0).reshape(3, 4)
+    view = base[1:, ::2]
+    a = alias(view)
+    assert (a.data_ptr(), a.shape, a.stride()) == (view.data_ptr(), view.shape, view.stride())
+    a.fill_(-1.0)
+    assert torch.equal(base[1:, ::2], torch.full((2, 2), -1.0))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.graphs = 0
+
+    def graph(self):
+        rec, rec.graphs = self, self.graphs + 1
+        gid = rec.graphs
+
+        class FakeGraph:
+            def capture_begin(self, pool=None):
+                rec.events.append(("begin", gid))
+
+            def capture_end(self):
+                rec.events.append(("end", gid))
+
+            def replay(self):
+                rec.events.append(("replay", gid))
+
+        return FakeGraph()
+
+
+class FakeStream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@pytest.fixture
+def rec(monkeypatch) -> Recorder:
+    rec = Recorder()
+    fakes = {
+        "CUDAGraph": rec.graph,
+        "Stream": FakeStream,
+        "current_stream": FakeStream,
+        "stream": lambda s: contextlib.nullcontext(),
+        "graph_pool_handle": lambda: (0, 1),
+        "synchronize": lambda: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda: (2**30, 2**31),
+    }
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    # CPU memory is not a graph pool: a non-owning alias would outlive its memory here.
+    monkeypatch.setattr(breakable, "alias", lambda t: t)
+    return rec
+
+
+def model(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
+    def attend(h, out):
+        rec.events.append(("attend", h.shape[0]))
+        out.copy_(h)
+
+    for _ in range(2):
+        x = run_outside_graph(attend, x + 1, out=torch.empty_like(x))
+    return x * 2
+
+
+def test_replay_alternates_segments_and_breaks(rec):
+    graph = BreakableGraph((0, 1), FakeStream())
+    out = graph.capture(lambda: model(rec, torch.zeros(4)))
+    segments = [("begin", 1), ("end", 1), ("begin", 2), ("end", 2), ("begin", 3), ("end", 3)]
+    assert rec.events == segments  # the attention calls did not run during capture
+    rec.events.clear()
+    assert graph.replay() is out and graph.num_breaks == 2
+    replayed = ["replay 1", "attend 4", "replay 2", "attend 4", "replay 3"]
+    assert [f"{what} {n}" for what, n in rec.events] == replayed
+
+
+def test_without_breaks_the_call_is_captured_inline(rec):
+    graph = BreakableGraph((0, 1), FakeStream())
+    graph.capture(lambda: model(rec, torch.zeros(4)), breaks=False)
+    assert rec.events == [("begin", 1), ("attend", 4), ("attend", 4), ("end", 1)]
+    assert graph.num_breaks == 0
+
+
+def test_an_error_ends_the_open_segment_and_the_capture(rec):
+    def broken():
+        run_outside_graph(lambda out: None, out=torch.empty(1))
+        raise ValueError("model bug")
+
+    with pytest.raises(ValueError, match="model bug"):
+        BreakableGraph((0, 1), FakeStream()).capture(broken)
+    assert rec.events == [("begin", 1), ("end", 1), ("begin", 2), ("end", 2)]
+    calls = []
+    run_outside_graph(lambda out: calls.append(out), out=torch.empty(1))
+    assert len(calls) == 1  # no capture is under way any more
+
+
+def test_runner_captures_largest_first_and_drops_what_runs_out_of_memory(rec):
+    config = EngineConfig(
+        device="cuda", capture_sizes=[1, 4, 16], max_num_seqs=16, max_num_batched_tokens=64
+    )
+    runner = GraphRunner(config)
+    order = []
+
+    def forward(desc: BatchDescriptor) -> torch.Tensor:
+        order.append(desc)
+        if desc == BatchDescriptor(16, 16, 1):
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return model(rec, torch.zeros(desc.num_tokens))
+
+    runner.capture(forward, prepare=lambda desc: order.append("prepare"))
+    sizes = [d.num_tokens for d in order if d != "prepare"]
+    assert sizes == sorted(sizes, reverse=True) and order[0] == "prepare"
+    report = runner.report()
+    dropped = {"num_tokens": 16, "num_reqs": 16, "uniform_query_len": 1, "num_active_loras": 0}
+    assert report["dropped"] == [dropped]
+    assert [len(report["captured"][m]) for m in ("full", "piecewise")] == [2, 3]
+    mode, desc = runner.dispatch(10, 10, 1)  # its FULL graph is gone: piecewise instead
+    assert (mode, desc) == (CudaGraphMode.PIECEWISE, BatchDescriptor.piecewise(16))
+    rec.events.clear()
+    runner.replay(mode, desc)
+    assert [e[0] for e in rec.events] == ["replay", "attend", "replay", "attend", "replay"]
+    assert runner.report()["steps"]["piecewise"] == 1
+    assert runner.report()["padded_tokens"] == 6

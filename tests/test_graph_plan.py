@@ -1,0 +1,70 @@
+"""Capture plans: the two ladders, their caps, the override, and padding arithmetic."""
+
+import pytest
+
+from ostinato.config import EngineConfig
+from ostinato.graphs.plan import CapturePlan, padded_size
+
+LADDER_TO_512 = [1, 2, 4, 8, *range(16, 257, 16), *range(288, 513, 32)]
+
+
+def plan(**kw) -> CapturePlan:
+    return CapturePlan.from_config(EngineConfig(device="cuda", **kw))
+
+
+def test_default_ladders():
+    p = plan()
+    assert list(p.token_sizes) == LADDER_TO_512
+    assert list(p.decode_sizes) == LADDER_TO_512[: LADDER_TO_512.index(256) + 1]
+    assert p.decode_query_len == 1
+
+
+def test_lists_are_separate():
+    p = plan(max_num_seqs=8, max_capture_size=64)
+    assert p.decode_sizes == (1, 2, 4, 8)
+    assert p.token_sizes == (1, 2, 4, 8, 16, 32, 48, 64)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 3, 100, 300, 8192])
+def test_token_sizes_never_exceed_max_num_batched_tokens(max_tokens):
+    p = plan(max_num_batched_tokens=max_tokens, max_num_seqs=1)
+    assert max(p.token_sizes) == min(512, max_tokens)
+    assert max(p.decode_sizes) == 1
+
+
+def test_cap_off_the_ladder_is_included():
+    p = plan(max_num_seqs=100, max_capture_size=500)
+    assert p.decode_sizes[-3:] == (80, 96, 100)
+    assert p.token_sizes[-3:] == (448, 480, 500)
+
+
+def test_decode_sizes_bounded_by_tokens_per_step():
+    p = CapturePlan.from_config(
+        EngineConfig(device="cuda", max_num_seqs=64, max_num_batched_tokens=64), decode_query_len=4
+    )
+    assert p.decode_sizes[-1] == 16  # 16 requests x q=4 = 64 tokens
+
+
+def test_capture_sizes_override_is_sorted_deduplicated_and_capped():
+    p = plan(capture_sizes=[64, 1, 8, 8, 1024], max_num_seqs=32)
+    assert p.token_sizes == (1, 8, 64)
+    assert p.decode_sizes == (1, 8)
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"), [(1, 1), (3, 4), (8, 8), (9, 16), (257, 288), (512, 512), (513, None)]
+)
+def test_pad_tokens(n, expected):
+    assert plan().pad_tokens(n) == expected
+
+
+def test_padding_is_the_smallest_captured_size_at_least_n():
+    p = plan(max_num_seqs=200)
+    for n in range(1, 600):
+        padded = padded_size(p.token_sizes, n)
+        if n > p.token_sizes[-1]:
+            assert padded is None
+            continue
+        assert padded >= n and padded in p.token_sizes
+        assert not [s for s in p.token_sizes if n <= s < padded]
+        assert p.pad_reqs(n) == (None if n > 200 else min(s for s in p.decode_sizes if s >= n))

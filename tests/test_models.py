@@ -1,0 +1,105 @@
+"""Ostinato's models against Hugging Face transformers on the same random checkpoints: packed
+varlen prefill through a hand-built paged KV cache, then a mixed step reusing the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from helpers import make_hf_checkpoint
+
+from ostinato.attention.torch_backend import TorchAttentionBackend
+from ostinato.config import EngineConfig
+from ostinato.context import AttentionMetadata, ForwardContext, forward_context
+from ostinato.loader import load_hf_config, load_model
+from ostinato.models.base import IntermediateTensors
+
+BLOCK = 16
+# Scattered, out-of-order blocks, so a paging mistake shows.
+BLOCK_TABLE = torch.tensor([[3, 0, 0], [7, 1, 0], [2, 9, 5]], dtype=torch.int32)
+PROMPT_LENS = [5, 17, 33]  # within one block, just over one, over two
+STEP2_LENS = [1, 3, 1]  # decode, a prefill chunk, decode
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
+def checkpoint(request, tmp_path_factory):
+    return make_hf_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def load(path, layer_range=None):
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32")
+    return load_model(config, load_hf_config(str(path)), layer_range)
+
+
+def kv_caches(hf_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (10, BLOCK, hf_config.num_key_value_heads, hf_config.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(hf_config.num_hidden_layers)]
+
+
+def step_metadata(starts: list[int], lens: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions and metadata for request i computing tokens [starts[i], starts[i] + lens[i])."""
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens, strict=True)])
+    req = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    slots = BLOCK_TABLE[req, positions // BLOCK].long() * BLOCK + positions % BLOCK
+    query_start_loc = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([s + n for s, n in zip(starts, lens, strict=True)], dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_tokens=len(positions),
+        num_reqs=len(lens),
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_table=BLOCK_TABLE,
+        slot_mapping=slots,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    return positions, meta
+
+
+def run(model, kv, input_ids, positions, meta) -> torch.Tensor:
+    with torch.no_grad(), forward_context(ForwardContext(meta, kv, TorchAttentionBackend())):
+        return model.compute_logits(model(input_ids, positions))
+
+
+def test_logits_match_hf(checkpoint):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = load(checkpoint)
+    vocab = hf.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    total = [p + q for p, q in zip(PROMPT_LENS, STEP2_LENS, strict=True)]
+    seqs = [torch.randint(0, vocab, (n,), generator=generator) for n in total]
+    with torch.no_grad():
+        expected = [hf(s[None]).logits[0] for s in seqs]
+    kv = kv_caches(hf.config)
+
+    starts = [[0, 0, 0], PROMPT_LENS]
+    for step, lens in enumerate([PROMPT_LENS, STEP2_LENS]):
+        positions, meta = step_metadata(starts[step], lens)
+        chunks = zip(seqs, starts[step], lens, strict=True)
+        input_ids = torch.cat([s[a : a + n] for s, a, n in chunks])
+        logits = run(model, kv, input_ids, positions, meta)
+        spans = zip(expected, starts[step], lens, strict=True)
+        want = torch.cat([e[a : a + n] for e, a, n in spans])
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # untied and tied LM head
+def test_pipeline_stages_match_whole_model(arch, tmp_path):
+    path = make_hf_checkpoint(arch, tmp_path, num_hidden_layers=3)
+    whole, first, last = load(path), load(path, (0, 1)), load(path, (1, 3))
+    assert first.lm_head is None and last.model.embed_tokens is None
+    hf_config = whole.config
+    input_ids = torch.randint(0, hf_config.vocab_size, (sum(PROMPT_LENS),))
+    positions, meta = step_metadata([0, 0, 0], PROMPT_LENS)
+
+    want = run(whole, kv_caches(hf_config), input_ids, positions, meta)
+    kv = kv_caches(hf_config)  # indexed by global layer, as each stage's attention is
+    with torch.no_grad(), forward_context(ForwardContext(meta, kv, TorchAttentionBackend())):
+        sent = first(input_ids, positions)
+        assert isinstance(sent, IntermediateTensors)
+        kept = IntermediateTensors(sent.hidden_states.clone(), sent.residual.clone())
+        got = last.compute_logits(last(input_ids, positions, sent))
+    torch.testing.assert_close(got, want)
+    # a stage never writes into its inputs (on GPU: the runner's receive buffers)
+    assert torch.equal(kept.hidden_states, sent.hidden_states)
+    assert torch.equal(kept.residual, sent.residual)

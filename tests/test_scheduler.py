@@ -1,0 +1,159 @@
+"""Block manager and scheduler invariants, driven without a model."""
+
+import random
+
+import pytest
+
+from ostinato.config import EngineConfig
+from ostinato.engine.block_manager import BlockManager
+from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.sequence import Sequence, SequenceStatus
+from ostinato.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(num_blocks: int, max_tokens: int = 16, max_seqs: int = 8):
+    config = EngineConfig(
+        device="cpu", block_size=BS, max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs
+    )
+    bm = BlockManager(num_blocks, BS)
+    return Scheduler(config, bm), bm
+
+
+def fake_step(sched: Scheduler, next_token=lambda seq: 7) -> list[Sequence]:
+    """One step with a fake model: advance computed tokens, append a token where sampled."""
+    batch = sched.schedule()
+    if batch is None:
+        return []
+    for seq, q in zip(batch.seqs, batch.query_lens, strict=True):
+        assert q >= 1
+        assert len(seq.block_ids) * BS >= seq.num_computed_tokens + q
+        done = seq.num_computed_tokens + q == len(seq)
+        seq.num_computed_tokens += q
+        sched.block_manager.commit(seq)
+        if done:
+            seq.token_ids.append(next_token(seq))
+    return batch.seqs
+
+
+def run_to_completion(sched: Scheduler, seqs: list[Sequence], max_out: int, **kw) -> None:
+    for s in seqs:
+        sched.add(s)
+    for _ in range(1000):
+        fake_step(sched, **kw)
+        for s in list(sched.running):
+            if s.num_output_tokens >= max_out:
+                sched.finish(s, "length")
+        if not sched.has_unfinished():
+            return
+    raise AssertionError("scheduler did not finish")
+
+
+def test_all_blocks_free_after_finish_and_abort():
+    sched, bm = make_scheduler(num_blocks=64)
+    seqs = [Sequence(f"r{i}", list(range(i * 3 + 1)), SamplingParams()) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    fake_step(sched)
+    sched.finish(seqs[2], "abort")  # running
+    sched.finish(seqs[5], "abort")  # maybe still waiting
+    run_to_completion(sched, [], max_out=5)
+    assert bm.num_free_blocks == 64
+    assert all(rc == 0 for rc in bm.ref_counts)
+
+
+def test_chunked_prefill_respects_budgets_and_puts_decodes_first():
+    sched, _ = make_scheduler(num_blocks=64, max_tokens=8, max_seqs=3)
+    short = Sequence("short", [1, 2], SamplingParams())
+    long = Sequence("long", list(range(30)), SamplingParams())
+    sched.add(short)
+    fake_step(sched)  # short prefilled, now decoding
+    sched.add(long)
+    sched.add(Sequence("a", [1], SamplingParams()))
+    sched.add(Sequence("b", [1], SamplingParams()))
+    batch = sched.schedule()
+    assert batch.num_tokens <= 8
+    assert batch.seqs[0] is short and batch.query_lens[0] == 1
+    assert batch.seqs[1] is long and batch.query_lens[1] == 7  # chunked
+    assert len(sched.running) <= 3
+
+
+def test_prefix_cache_hits_shared_full_blocks():
+    sched, bm = make_scheduler(num_blocks=64)
+    prefix = list(range(100, 112))  # three full blocks
+    first = Sequence("a", prefix + [1, 2], SamplingParams())
+    run_to_completion(sched, [first], max_out=1)
+    second = Sequence("b", prefix + [3], SamplingParams())
+    sched.add(second)
+    sched.schedule()
+    assert second.num_cached_tokens == 12
+    assert bm.prefix_hits == 12
+    # The last token is always computed, even when the whole prompt is cached.
+    third = Sequence("c", prefix, SamplingParams())
+    sched.add(third)
+    batch = sched.schedule()
+    assert third.num_cached_tokens == 8
+    assert batch.query_lens[batch.seqs.index(third)] == 4
+
+
+def test_prefix_cache_evicts_least_recently_freed():
+    sched, bm = make_scheduler(num_blocks=4)
+    a = Sequence("a", list(range(8)) + [99], SamplingParams())
+    run_to_completion(sched, [a], max_out=1)
+    assert bm.num_free_blocks == 4  # freed but still cached
+    b = Sequence("b", list(range(50, 62)) + [99], SamplingParams())  # needs all 4 blocks
+    run_to_completion(sched, [b], max_out=1)
+    c = Sequence("c", list(range(8)) + [5], SamplingParams())
+    sched.add(c)
+    sched.schedule()
+    assert c.num_cached_tokens == 0  # a's blocks were reused by b
+
+
+def test_preemption_recomputes_and_matches_unpreempted_tokens():
+    def token_of(seq):  # depends on the whole context, like a real model
+        return (sum(seq.token_ids) * 31 + len(seq)) % 97
+
+    def run(num_blocks):
+        sched, bm = make_scheduler(num_blocks=num_blocks, max_tokens=16, max_seqs=4)
+        rng = random.Random(0)
+        seqs = [
+            Sequence(
+                f"r{i}", [rng.randrange(97) for _ in range(rng.randint(3, 12))], SamplingParams()
+            )
+            for i in range(4)
+        ]
+        run_to_completion(sched, seqs, max_out=12, next_token=token_of)
+        assert bm.num_free_blocks == num_blocks
+        return [s.output_token_ids[:12] for s in seqs], sched.num_preemptions
+
+    roomy, none = run(num_blocks=64)
+    tight, preemptions = run(num_blocks=8)
+    assert none == 0 and preemptions > 0
+    assert tight == roomy
+
+
+def test_waiting_sequence_status_and_abort():
+    sched, bm = make_scheduler(num_blocks=2, max_tokens=4, max_seqs=1)
+    a = Sequence("a", [1, 2, 3], SamplingParams())
+    b = Sequence("b", [4, 5, 6], SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert a.status == SequenceStatus.RUNNING and b.status == SequenceStatus.WAITING
+    sched.finish(b, "abort")
+    sched.finish(a, "abort")
+    assert bm.num_free_blocks == 2 and not sched.has_unfinished()
+
+
+@pytest.mark.parametrize("num_blocks", [3, 5])
+def test_random_workload_never_leaks_blocks(num_blocks):
+    sched, bm = make_scheduler(num_blocks=num_blocks, max_tokens=6, max_seqs=3)
+    rng = random.Random(num_blocks)
+    seqs = [
+        Sequence(f"r{i}", [rng.randrange(5) for _ in range(rng.randint(1, 7))], SamplingParams())
+        for i in range(10)
+    ]
+    run_to_completion(sched, seqs, max_out=3)
+    assert bm.num_free_blocks == num_blocks
+    assert not bm.block_of_hash or all(bm.ref_counts[b] == 0 for b in bm.block_of_hash.values())

@@ -1,0 +1,58 @@
+"""The byte tokenizer of the presets and the Hugging Face tokenizer of a model directory."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import make_hf_checkpoint
+
+from ostinato.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+TEXT = "héllo, wörld! 🙂 the quick brown fox"
+
+
+def test_byte_tokenizer_round_trips_and_drops_ids_outside_the_bytes():
+    tok = load_tokenizer("tiny")
+    assert isinstance(tok, ByteTokenizer) and isinstance(
+        load_tokenizer("random:qwen3-0.6b"), ByteTokenizer
+    )
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode()) and tok.decode(ids) == TEXT
+    assert tok.eos_token_id == 257 and tok.vocab_size == 258
+    assert tok.decode([tok.bos_token_id, *ids, tok.eos_token_id, 300, -1]) == TEXT
+    assert tok.decode([256, 104, 105, 257], skip_special_tokens=False) == "<s>hi</s>"
+    # a prefix that cuts a character in half still decodes (incremental detokenisation)
+    assert tok.decode(ids[:2]) == "h\ufffd"
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == list(
+        b"user: hi\nassistant: "
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_hf_checkpoint("qwen3", tmp_path_factory.mktemp("tok"))
+
+
+def test_hf_tokenizer_round_trips_with_bos_and_eos(hf_dir):
+    tok = load_tokenizer(str(hf_dir))
+    assert isinstance(tok, HFTokenizer)
+    ids = tok.encode(TEXT)
+    assert ids[0] == 0 and len(ids) < len(TEXT.encode())  # BOS, then merged byte pieces
+    assert tok.decode(ids) == TEXT
+    assert tok.decode(ids, skip_special_tokens=False) == "<s>" + TEXT
+    assert tok.eos_token_id == 1 and tok.vocab_size == 300
+
+
+def test_hf_tokenizer_chat_template_and_default(hf_dir, tmp_path):
+    tok = load_tokenizer(str(hf_dir))
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.decode(tok.apply_chat_template(messages)) == "<|user|>hi\n<|assistant|>"
+    tok.tokenizer.chat_template = None
+    ids = tok.apply_chat_template(messages)
+    assert ids[0] == 0 and tok.decode(ids) == "user: hi\nassistant: "
+
+
+def test_directory_without_a_tokenizer_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        load_tokenizer(str(tmp_path))
