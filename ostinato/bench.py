@@ -27,13 +27,28 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
         p.add_argument("--json", action="store_true", help="print one JSON object per result")
         add_engine_args(p)
         p.set_defaults(func=lambda args: run_bench(args))
+    kinds.choices["latency"].add_argument(
+        "--batch-size", type=_int_list, default=[1], help="comma-separated batch sizes (default 1)"
+    )
+    kinds.choices["throughput"].add_argument(
+        "--batch-size", type=int, default=256, help="requests (default 256)"
+    )
     for p in (kinds.choices["latency"], kinds.choices["throughput"]):
-        p.add_argument("--batch-size", type=int, default=1, help="requests (default 1)")
         p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
         p.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
     kinds.choices["latency"].add_argument(
         "--iters", type=int, default=3, help="timed runs; the median is reported (default 3)"
     )
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
+    return values
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -44,9 +59,8 @@ def run_bench(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
     for mode in modes:
         config = engine_config(args, cuda_graph_mode=mode)
-        result = BENCHES[args.bench](config, args, bandwidth)
-        result.update(bench=args.bench, model=config.model, requested_mode=mode)
-        _emit(result, args.json)
+        for result in BENCHES[args.bench](config, args, bandwidth):
+            _emit({"bench": args.bench, "model": config.model, **result}, args.json)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -107,37 +121,39 @@ def _timed_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     return ttft, (end - first_done) / max(decode_steps, 1)
 
 
-def bench_latency(config: EngineConfig, args, bandwidth: float | None) -> dict:
+def bench_latency(config: EngineConfig, args, bandwidth: float | None) -> list[dict]:
     engine, _ = _build(config)
-    n, length = args.batch_size, args.input_len
-    _timed_run(engine, _prompts(engine, n, length), min(args.output_len, 8))  # compile, warm up
-    runs = sorted(
-        _timed_run(engine, _prompts(engine, n, length, seed), args.output_len)
-        for seed in range(1, args.iters + 1)
-    )
-    ttft, tpot = runs[len(runs) // 2]
-    report = engine.graph_report()
-    result = {
-        "mode": report.get("cuda_graph_mode"),
-        "batch_size": args.batch_size,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "tpot_ms": tpot * 1e3,
-        "ttft_ms": ttft * 1e3,
-        "steps": report.get("steps"),
-    }
-    if bandwidth:
-        floor = decode_floor_bytes(engine, args.batch_size, args.input_len + args.output_len // 2)
-        result.update(
-            copy_bandwidth_gbs=bandwidth / 1e9,
-            floor_ms=floor / bandwidth * 1e3,
-            ratio_to_floor=tpot / (floor / bandwidth),
+    results = []
+    for batch in args.batch_size:
+        _timed_run(engine, _prompts(engine, batch, args.input_len), min(args.output_len, 8))
+        runs = sorted(
+            _timed_run(engine, _prompts(engine, batch, args.input_len, seed), args.output_len)
+            for seed in range(1, args.iters + 1)
         )
-    del engine
-    return result
+        ttft, tpot = runs[len(runs) // 2]
+        report = engine.graph_report()
+        result = {
+            "mode": report["cuda_graph_mode"],
+            "requested_mode": config.cuda_graph_mode,
+            "batch_size": batch,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "tpot_ms": tpot * 1e3,
+            "ttft_ms": ttft * 1e3,
+        }
+        if bandwidth:
+            floor = decode_floor_bytes(engine, batch, args.input_len + args.output_len // 2)
+            result.update(
+                copy_bandwidth_gbs=bandwidth / 1e9,
+                floor_ms=floor / bandwidth * 1e3,
+                ratio_to_floor=tpot / (floor / bandwidth),
+            )
+        results.append(result)
+    result["steps"] = engine.graph_report()["steps"]
+    return results
 
 
-def bench_throughput(config: EngineConfig, args, bandwidth: float | None) -> dict:
+def bench_throughput(config: EngineConfig, args, bandwidth: float | None) -> list[dict]:
     engine, _ = _build(config)
     _timed_run(engine, _prompts(engine, 2, args.input_len), 4)
     prompts = _prompts(engine, args.batch_size, args.input_len, seed=1)
@@ -146,28 +162,32 @@ def bench_throughput(config: EngineConfig, args, bandwidth: float | None) -> dic
     _timed_run(engine, prompts, args.output_len)
     seconds = time.perf_counter() - start
     total_out = args.batch_size * args.output_len
-    return {
-        "mode": engine.graph_report().get("cuda_graph_mode"),
-        "requests": args.batch_size,
-        "seconds": seconds,
-        "output_tokens_per_s": total_out / seconds,
-        "total_tokens_per_s": (total_out + args.batch_size * args.input_len) / seconds,
-    }
+    return [
+        {
+            "mode": engine.graph_report()["cuda_graph_mode"],
+            "requests": args.batch_size,
+            "seconds": seconds,
+            "output_tokens_per_s": total_out / seconds,
+            "total_tokens_per_s": (total_out + args.batch_size * args.input_len) / seconds,
+        }
+    ]
 
 
-def bench_startup(config: EngineConfig, args, bandwidth: float | None) -> dict:
+def bench_startup(config: EngineConfig, args, bandwidth: float | None) -> list[dict]:
     engine, build_s = _build(config)
     report = engine.graph_report()
-    capture_s = report.get("capture_seconds", 0.0)
-    return {
-        "mode": report.get("cuda_graph_mode"),
-        "startup_s": build_s,
-        "load_s": build_s - capture_s,
-        "capture_s": capture_s,
-        "num_graphs": sum(len(v) for v in report.get("captured", {}).values()),
-        "graph_memory_gib": report.get("graph_memory_bytes", 0) / 2**30,
-        "kv_blocks": engine.runner.num_blocks,
-    }
+    capture_s = report["capture_seconds"]
+    return [
+        {
+            "mode": report["cuda_graph_mode"],
+            "startup_s": build_s,
+            "load_s": build_s - capture_s,
+            "capture_s": capture_s,
+            "num_graphs": sum(len(v) for v in report["captured"].values()),
+            "graph_memory_gib": report["graph_memory_bytes"] / 2**30,
+            "kv_blocks": engine.runner.num_blocks,
+        }
+    ]
 
 
 BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "startup": bench_startup}

@@ -127,7 +127,7 @@ class LLMEngine:
             new_token_ids=[token],
             finished=reason is not None,
             finish_reason=reason,
-            logprobs=seq.logprobs,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
         )
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Everything we run on a lent GPU, in one script, so a session spends its device time on work.
+#   bash benchmarks/gpu_session.sh tests    # tests/gpu (kernels, breakable capture, engine, graphs)
+#   bash benchmarks/gpu_session.sh bench    # kernel table, latency/startup benches, 8B generate
+# Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+stage=${1:-tests}
+
+info() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
+  git log -1 --format='commit %H %cd' 2>/dev/null || echo "commit (no git on device)"
+}
+
+case "$stage" in
+tests)
+  info | tee "$OUT/env.txt"
+  python3 -m pytest tests/gpu -x -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/gpu-tests.log"
+  ;;
+bench)
+  info | tee "$OUT/env.txt"
+  python3 benchmarks/bench_kernels.py --out "$OUT/kernels.md" 2>&1 | tail -n 40
+  for model in random:qwen3-0.6b random:llama-3.1-8b; do
+    python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,8,32,64 \
+      --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
+      --cuda-graph-mode none,piecewise,full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/latency.jsonl"
+    python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 16 \
+      --input-len 32 --output-len 1 --iters 3 --max-model-len 2048 \
+      --cuda-graph-mode none,piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/prefill.jsonl"
+    python3 -m ostinato.cli bench startup --model "$model" --json --max-model-len 2048 \
+      2>>"$OUT/bench.err" | tee -a "$OUT/startup.jsonl"
+  done
+  python3 -m ostinato.cli generate --model random:llama-3.1-8b --max-tokens 16 --max-model-len 2048 \
+    "The capital of France is" 2>&1 | tail -n 6 | tee "$OUT/generate-8b.txt"
+  tail -n 20 "$OUT/bench.err"
+  ;;
+*)
+  echo "usage: $0 tests|bench" >&2
+  exit 2
+  ;;
+esac

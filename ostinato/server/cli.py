@@ -1,0 +1,85 @@
+"""`ostinato serve`: argument hook and the uvicorn runner."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import signal
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from ostinato.config import EngineConfig
+
+if TYPE_CHECKING:
+    from ostinato.engine.async_engine import AsyncEngine
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags; engine flags (--model, ...) come from the caller's parser."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients may give as `model` (default: the --model value)",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 with Retry-After when more requests than this wait "
+        "(default: the engine config's max_waiting_requests)",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+
+
+def serve(config: EngineConfig, args: argparse.Namespace) -> int:
+    """Load the engine, serve until SIGINT/SIGTERM, and return the exit status."""
+    # Imported here: every ostinato command builds this parser, only serve needs the app.
+    from ostinato.engine.engine import LLMEngine
+    from ostinato.server.app import build_app
+
+    if args.max_waiting_requests is not None:
+        config = dataclasses.replace(config, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(LLMEngine(config), args.served_model_name or [config.model])
+    uv_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
+    )
+    _Server(uv_config, app.state.async_engine).run()
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """Aborts every request as shutdown begins, and exits 0 on SIGINT/SIGTERM."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        # Streams end at once with an abort, so uvicorn's wait for open connections is short.
+        self.engine.begin_shutdown()
+        await super().shutdown(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own version re-raises the signal after shutdown: the exit status would not be 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
