@@ -9,4 +9,11 @@ from ostinato.kernels.norm import fused_add_rms_norm, rms_norm
 from ostinato.kernels.paged_attention import paged_attention
 from ostinato.kernels.rope import rotary
 
-__all__ = ["fused_add_rms_norm", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "store_kv"]
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rotary",
+    "silu_and_mul",
+    "store_kv",
+]

@@ -1,9 +1,84 @@
-"""Which implementation a kernel call takes."""
+"""Which implementation a kernel call takes, and a `jit` that honours TRITON_INTERPRET per call.
 
+Triton reads TRITON_INTERPRET once, when `triton.jit` decorates, so a process would get one kind
+for good, its own `tl.sum`, `tl.cdiv`, ... included. The CPU tests set the variable for the
+kernel tests alone while the engine tests in the same process keep the torch path, so here the
+choice is made at each launch.
+"""
+
+import functools
 import os
+import sys
+from contextlib import contextmanager
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or interpreting()
+
+
+class _Interpreted(InterpretedFunction):
+    def __call__(self, *args, **kwargs):
+        """A call from inside an interpreted kernel. The launch already patched triton.language
+        for the interpreter; patching again on every call, as Triton does, triples the time."""
+        return self.rewrite()(*args, **kwargs)
+
+
+class Kernel(JITFunction):
+    """A jitted function that runs compiled or interpreted, chosen at each launch. It stays a
+    JITFunction so the compiler inlines it where another kernel calls it."""
+
+    def __init__(self, fn, **options) -> None:
+        super().__init__(fn, **options)
+        self.interpreted = _Interpreted(fn, **options)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if not interpreting():
+            return super().run(*args, grid=grid, warmup=warmup, **kwargs)
+        with _interpreted_language():
+            return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if interpreting():
+            return self.interpreted(*args, **kwargs)
+        return super().__call__(*args, **kwargs)  # raises: compiled kernels inline instead
+
+
+def jit(fn=None, **options):
+    """Like `triton.jit`, bare or with its options (e.g. do_not_specialize)."""
+    if fn is None:
+        return lambda fn: Kernel(fn, **options)
+    return Kernel(fn, **options)
+
+
+@functools.cache
+def _language_functions() -> list[tuple[object, str, JITFunction, InterpretedFunction]]:
+    """triton.language's own jitted functions (tl.sum, tl.max, tl.cdiv, ...), compiled kind."""
+    return [
+        (module, name, value, InterpretedFunction(value.fn))
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("triton.language")
+        for name, value in vars(module).items()
+        if type(value) is JITFunction
+    ]
+
+
+@contextmanager
+def _interpreted_language():
+    """Swaps triton.language's jitted functions for interpreted ones, as they would have been
+    had TRITON_INTERPRET been set when triton was imported."""
+    functions = _language_functions()
+    for module, name, _, interpreted in functions:
+        setattr(module, name, interpreted)
+    try:
+        yield
+    finally:
+        for module, name, compiled, _ in functions:
+            setattr(module, name, compiled)

@@ -1,8 +1,10 @@
 """RMSNorm, and the fused residual-add + RMSNorm used between layers."""
 
 import torch
+import triton
+import triton.language as tl
 
-from ostinato.kernels.dispatch import use_triton
+from ostinato.kernels.dispatch import jit, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,9 +33,63 @@ def fused_add_rms_norm_torch(x, residual, weight, eps) -> None:
     x.copy_(rms_norm_torch(residual, weight, eps))
 
 
+@jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, out_ptr, weight_ptr, eps, n, inner,
+    stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One row per program; a row is x[row // inner, row % inner, :] so that per-head norms
+    work on strided views of a fused qkv projection. With ADD_RESIDUAL, residual += x first
+    and the norm reads the sum as stored, so it sees exactly what the next layer adds to."""
+    row = tl.program_id(0).to(tl.int64)
+    outer, head = row // inner, row % inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x_ptrs = x_ptr + outer * stride_x0 + head * stride_x1 + cols
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        r_ptrs = residual_ptr + row * stride_r0 + cols
+        r = (x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(r_ptrs.dtype.element_ty)
+        tl.store(r_ptrs, r, mask=mask)
+        x = r.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + outer * stride_o0 + head * stride_o1 + cols, y, mask=mask)
+
+
+def _launch(x3, residual, out3, weight, eps) -> None:
+    """x3, out3: [outer, inner, n] with unit stride in n; residual: [outer * inner, n] or None."""
+    outer, inner, n = x3.shape
+    rows = outer * inner
+    if rows == 0:
+        return
+    assert x3.stride(2) == out3.stride(2) == 1
+    res = x3 if residual is None else residual
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](
+        x3, res, out3, weight, eps, n, inner,
+        x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
+        ADD_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )  # fmt: skip
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] as [outer, inner, n] without copying the 2-d and 3-d cases models pass."""
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, 1, x.shape[-1])
+
+
 def _rms_norm_triton(x, weight, eps):
-    raise NotImplementedError("Triton rms_norm is being written (kernels issue)")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(_as_3d(x), None, _as_3d(out), weight, eps)
+    return out
 
 
-def _fused_add_rms_norm_triton(x, residual, weight, eps):
-    raise NotImplementedError("Triton fused_add_rms_norm is being written (kernels issue)")
+def _fused_add_rms_norm_triton(x, residual, weight, eps) -> None:
+    n = x.shape[-1]
+    x2, r2 = x.view(-1, 1, n), residual.view(-1, n)
+    assert r2.stride(1) == 1
+    _launch(x2, r2, x2, weight, eps)

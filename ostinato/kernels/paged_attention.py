@@ -1,9 +1,14 @@
 """Causal attention over a paged KV cache for any mix of prefill chunks and decodes."""
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from ostinato.kernels.dispatch import use_triton
+from ostinato.kernels.dispatch import jit, use_triton
 
 
 def paged_attention(
@@ -54,5 +59,245 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return o.transpose(0, 1)
 
 
-def _paged_attention_triton(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale):
-    raise NotImplementedError("Triton paged_attention is being written (kernels issue)")
+@jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale, stride_cb, stride_cs,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over KV positions [start, start + BLOCK_N). Unmasked tiles lie
+    wholly before every row's position and before kv_hi: no bounds or causal checks."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    in_range = n < kv_hi
+    if MASKED:
+        page = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
+    else:
+        page = tl.load(bt_row + n // PAGE)
+    offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs
+    if MASKED:
+        k = tl.load(k_base + offs[None, :] + d[:, None], mask=in_range[None, :], other=0.0)
+        v = tl.load(v_base + offs[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + offs[None, :] + d[:, None])
+        v = tl.load(v_base + offs[:, None] + d[None, :])
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where((n[None, :] <= pos[:, None]) & in_range[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@jit(do_not_specialize=["num_reqs"])  # no compiled variant per batch size
+def _attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale, num_reqs,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, REQ_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (tile, kv_head, split). A tile is BLOCK_Q query tokens of one request times the GROUP
+    query heads that share kv_head, packed into BLOCK_M rows, so each K/V tile loaded serves
+    the whole group. Tiles are numbered request by request: request i owns the
+    cdiv(q_i, BLOCK_Q) tiles from first_tile(i) = query_start_loc[i] // BLOCK_Q + i on (just
+    query_start_loc[i] when BLOCK_Q is 1), so the grid is bounded by shapes and spare tiles
+    exit. With SPLIT, split s covers one of num_splits equal parts of the tile's KV range and
+    writes an unnormalised partial that _combine_kernel reduces."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # request = number of requests whose first tile is <= this tile, minus one
+    req = -1
+    for c in range(0, num_reqs, REQ_CHUNK):
+        i = c + tl.arange(0, REQ_CHUNK)
+        first = tl.load(query_start_loc_ptr + i, mask=i < num_reqs, other=2**30)
+        if BLOCK_Q > 1:
+            first = first // BLOCK_Q + i
+        req += tl.sum((first <= tile).to(tl.int32), axis=0)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + req)
+    local = tile - (q_start // BLOCK_Q + req if BLOCK_Q > 1 else q_start)
+    # the latest query tiles, with the most KV, are launched first so short ones fill the tail
+    q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - local
+    if q_tile < 0:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    ctx_len = seq_len - q_len
+    pos = ctx_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    first_pos = ctx_len + q_tile * BLOCK_Q
+    kv_hi = tl.minimum(seq_len, first_pos + BLOCK_Q)
+    kv_lo = 0
+    if SPLIT:
+        part_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * part_len
+        kv_hi = tl.minimum(kv_hi, kv_lo + part_len)
+    unmasked_hi = (
+        kv_lo + tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
+    )
+
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    for start in range(kv_lo, unmasked_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale,
+            stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, False, PRECISION,
+        )  # fmt: skip
+    for start in range(unmasked_hi, kv_hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale,
+            stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION,
+        )  # fmt: skip
+
+    if SPLIT:
+        part = (token * (GROUP * tl.num_programs(1)) + head) * num_splits + split
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(m_ptr + part, m_i, mask=row_ok)
+        tl.store(l_ptr + part, l_i, mask=row_ok)
+    else:
+        o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o, mask=row_ok[:, None])
+
+
+@jit(do_not_specialize=["num_reqs"])
+def _combine_kernel(
+    part_ptr, m_ptr, l_ptr, out_ptr, query_start_loc_ptr, num_reqs, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Grid (token, head): merges the SPLITS partials of one row by their softmax weights."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # a padding token of no request: nothing was computed, nothing is written
+    row = (token.to(tl.int64) * tl.num_programs(1) + head) * SPLITS
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(m_ptr + row + s)
+    w = tl.exp2(m - tl.max(m, axis=0))
+    l_sum = tl.sum(tl.load(l_ptr + row + s) * w, axis=0)
+    acc = tl.load(part_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :])
+    o = tl.sum(acc * w[:, None], axis=0) / l_sum
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+_SHORT_QUERY = 8  # mean query length up to which a batch is decode-like
+_LOG2E = 1.4426950408889634
+
+
+class Config(NamedTuple):
+    block_q: int  # query tokens per tile; block_q * group rows, padded to block_m
+    block_m: int
+    block_n: int  # KV positions per step
+    splits: int  # KV partitions per tile, reduced by _combine_kernel when > 1
+    num_warps: int
+    num_stages: int
+
+
+def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
+    """A launch configuration from shapes alone (never from lengths), so it is fixed under a
+    CUDA graph. Batches of short queries (decode, speculative decode) get few rows per tile and
+    split the KV so a handful of requests still fills the GPU; others get large tiles.
+
+    num_stages 5: the page-table load feeding each K/V address takes a pipeline stage of its
+    own, and fewer stages leave no K/V tile in flight while the previous one is computed."""
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    wide = max(head_dim, 128) * q.element_size()  # bytes of one K row, at least 256
+    if num_tokens <= _SHORT_QUERY * num_reqs:
+        block_q = min(triton.next_power_of_2(triton.cdiv(num_tokens, num_reqs)), _SHORT_QUERY)
+        block_n = max(16, 8192 // wide)  # 8 KiB K tiles: ~5 programs per SM hide latency
+        programs = _num_tiles(num_tokens, num_reqs, block_q) * kv_heads
+        # at the longest context the block table holds, each part still spans 4 KV tiles
+        most = block_table.shape[1] * k_cache.shape[1] // (4 * block_n)
+        splits = _splits(programs, _num_sms(q.device), most)
+        block_m = max(16, triton.next_power_of_2(block_q * group))
+        return Config(block_q, block_m, block_n, splits, num_warps=4, num_stages=5)
+    if q.element_size() > 2:  # float32 dots run on FMA units: sized to fit, not tuned
+        block_m, block_n, num_warps, num_stages = 64, 16, 4, 3
+    else:
+        block_m, block_n, num_warps, num_stages = 128 * 256 // wide, 16384 // wide, 8, 5
+    block_q = max(1, block_m // group)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    return Config(block_q, block_m, block_n, 1, num_warps, num_stages)
+
+
+def _splits(programs: int, num_sms: int, most: int) -> int:
+    """A power of two (few compiled variants), at most `most`, bringing the programs to about
+    4 per SM."""
+    want = min(triton.cdiv(4 * num_sms, programs), max(most, 1))
+    return 1 << (want.bit_length() - 1)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter: small, so CPU tests see the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _num_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
+    return num_tokens if block_q == 1 else num_tokens // block_q + num_reqs
+
+
+def _paged_attention_triton(
+    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale, config=None
+) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return
+    cfg = config or choose_config(q, k_cache, block_table, num_reqs)
+    kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // kv_heads
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert q.stride(2) == out.stride(2) == block_table.stride(1) == 1
+    assert head_dim & (head_dim - 1) == 0 and num_heads == group * kv_heads
+    assert cfg.block_m >= cfg.block_q * group and cfg.splits & (cfg.splits - 1) == 0
+    # partial outputs and their softmax max / sum, only when the KV is split
+    part_shape = (num_tokens, num_heads, cfg.splits) if cfg.splits > 1 else (1,)
+    part = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
+    stats = torch.empty((2, *part_shape), dtype=torch.float32, device=q.device)
+    grid = (_num_tiles(num_tokens, num_reqs, cfg.block_q), kv_heads, cfg.splits)
+    _attention_kernel[grid](
+        q, k_cache, v_cache, out, part, stats[0], stats[1],
+        query_start_loc, seq_lens, block_table,
+        scale * _LOG2E, num_reqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        GROUP=group, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, PAGE=page, SPLIT=cfg.splits > 1, REQ_CHUNK=128,
+        PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.splits > 1:
+        _combine_kernel[(num_tokens, num_heads)](
+            part, stats[0], stats[1], out, query_start_loc, num_reqs, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS=cfg.splits,
+        )  # fmt: skip
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tf32 would cost float32 models their accuracy; half types ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -27,8 +27,11 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = torch.device(config.device)
         if config.is_cuda:
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        allocated_before = torch.cuda.memory_allocated() if config.is_cuda else 0
         self.model = load_model(config, hf_config)
         self.backend = get_attention_backend(config.attention_backend)()
         self.block_size = config.block_size
@@ -36,6 +39,9 @@ class ModelRunner:
         self.buffers = InputBuffers(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks, self.device
         )
+        self.static_bytes = (
+            torch.cuda.memory_allocated() if config.is_cuda else 0
+        ) - allocated_before
         self.sampler = Sampler()
         self.graphs = GraphRunner(config)
         self.num_blocks = self._count_kv_blocks()
@@ -62,7 +68,12 @@ class ModelRunner:
         return self._profile_kv_blocks()
 
     def _profile_kv_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization once weights and a peak step are counted."""
+        """Blocks that fit once weights, a peak step and the graphs are counted.
+
+        The engine takes gpu_memory_utilization of the device's total memory, counting only
+        its own allocations (other engines or processes are not charged to it), and never
+        more than is free now.
+        """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         scratch = self._allocate_kv_cache(1)
@@ -72,20 +83,22 @@ class ModelRunner:
         activation = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        budget = total * self.config.gpu_memory_utilization - (total - free) - activation
-        budget -= self.graph_memory_reserve(activation)
+        headroom = activation + self.graph_memory_reserve(activation)
+        allowed = total * self.config.gpu_memory_utilization - self.static_bytes - headroom
+        budget = min(allowed, free - headroom - 256 * 2**20)  # 256 MiB for the allocator's slack
         num_blocks = int(budget // self.kv_block_bytes)
         if num_blocks * self.block_size < self.config.max_model_len:
             raise ValueError(
-                f"only {max(num_blocks, 0)} KV blocks fit in gpu_memory_utilization="
-                f"{self.config.gpu_memory_utilization}, fewer than one max_model_len="
-                f"{self.config.max_model_len} sequence needs: raise gpu_memory_utilization "
-                "or lower max_model_len / max_num_batched_tokens"
+                f"only {max(num_blocks, 0)} KV blocks fit ({free / 2**30:.1f} GiB free, "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}), fewer than one "
+                f"max_model_len={self.config.max_model_len} sequence needs: raise "
+                "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
             )
         logger.info(
-            "KV cache: %d blocks (%.2f GiB); peak step activations %.2f GiB",
+            "KV cache: %d blocks (%.2f GiB); weights %.2f GiB, peak step activations %.2f GiB",
             num_blocks,
             num_blocks * self.kv_block_bytes / 2**30,
+            self.static_bytes / 2**30,
             activation / 2**30,
         )
         return num_blocks

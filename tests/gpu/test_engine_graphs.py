@@ -1,10 +1,12 @@
 """On the GPU: the engine against Hugging Face, and every graph mode against eager."""
 
+import gc
+
 import pytest
 import torch
-
 from helpers import make_hf_checkpoint
 from oracle import hf_greedy, hf_margins, hf_model, oracle_prompts, run_ostinato
+
 from ostinato import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +25,12 @@ def test_oracle_bfloat16(checkpoint, backend):
     """Tokens equal HF's, or each chosen token is within bf16 rounding of HF's best."""
     prompts = oracle_prompts(300)
     _, ours = run_ostinato(
-        checkpoint, prompts, MAX_NEW, dtype="bfloat16", attention_backend=backend
+        checkpoint,
+        prompts,
+        MAX_NEW,
+        dtype="bfloat16",
+        attention_backend=backend,
+        gpu_memory_utilization=0.25,
     )
     model = hf_model(checkpoint, "cuda")
     expected = hf_greedy(model, prompts, MAX_NEW)
@@ -36,7 +43,14 @@ def test_oracle_bfloat16(checkpoint, backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_oracle_float32_exact(checkpoint, backend):
     prompts = oracle_prompts(300, seed=3)
-    _, ours = run_ostinato(checkpoint, prompts, MAX_NEW, dtype="float32", attention_backend=backend)
+    _, ours = run_ostinato(
+        checkpoint,
+        prompts,
+        MAX_NEW,
+        dtype="float32",
+        attention_backend=backend,
+        gpu_memory_utilization=0.25,
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     assert ours == hf_greedy(hf_model(checkpoint, "cuda"), prompts, MAX_NEW)
 
@@ -46,12 +60,16 @@ def mixed_workload(llm: LLM, vocab: int = 300) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     lengths = [300, 3, 40, 7, 1, 129, 11, 5, 77, 2, 19]
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
-    params = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def engine(checkpoint, mode: str, **kw) -> LLM:
     kw = {"dtype": "float32", "max_num_batched_tokens": 128, "max_num_seqs": 16, **kw}
+    kw.setdefault("gpu_memory_utilization", 0.25)
     return LLM(str(checkpoint), cuda_graph_mode=mode, max_capture_size=128, **kw)
 
 
@@ -73,6 +91,7 @@ def test_every_mode_matches_eager_token_for_token(checkpoint):
         assert report["padded_tokens"] > 0
         assert report["capture_seconds"] > 0 and report["graph_memory_bytes"] > 0
         del llm
+        gc.collect()
 
 
 def test_bfloat16_graph_checker_passes_in_every_mode(checkpoint):
@@ -80,6 +99,8 @@ def test_bfloat16_graph_checker_passes_in_every_mode(checkpoint):
         llm = engine(checkpoint, mode, dtype="bfloat16", check_graphs=1)
         mixed_workload(llm)  # raises if a graphed step's logits leave eager's
         assert llm.graph_report()["steps"]["none"] < sum(llm.graph_report()["steps"].values())
+        del llm
+        gc.collect()
 
 
 def test_torch_backend_resolves_to_piecewise_and_matches(checkpoint):
@@ -102,7 +123,9 @@ def test_debug_graph_addresses_runs_clean(checkpoint):
 
 def test_random_preset_generates_with_graphs():
     llm = LLM("random:qwen3-0.6b", max_model_len=1024, max_num_seqs=32)
-    outs = llm.generate(["Hello"] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    outs = llm.generate(
+        ["Hello"] * 3, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
     assert all(len(o.token_ids) == 8 for o in outs)
     report = llm.graph_report()
     assert report["cuda_graph_mode"] == "full_and_piecewise"

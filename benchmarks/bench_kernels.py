@@ -1,0 +1,323 @@
+"""Kernel benchmarks on one GPU, printed as a markdown table and written to --out.
+
+    python benchmarks/bench_kernels.py --out benchmarks/kernels-h100.md [--sweep]
+
+Measures the device-to-device copy bandwidth and the bf16 matmul rate (the two ceilings),
+decode and prefill paged attention in a Llama-3.1-8B layer shape against them, and the fused
+norm / RoPE / activation kernels against the torch sequences they replace. Kernels are timed
+inside CUDA graphs, as the engine runs them: no launch overhead, and each captured call reads
+its own KV blocks so the L2 cache cannot serve repeats. --sweep also times other launch
+configurations of the attention kernel, to tune `choose_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import statistics
+import subprocess
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from ostinato.kernels import fused_add_rms_norm, rms_norm, rotary, silu_and_mul
+from ostinato.kernels.activation import silu_and_mul_torch
+from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from ostinato.kernels.rope import rotary_torch
+
+attention = importlib.import_module("ostinato.kernels.paged_attention")
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
+HIDDEN, INTERMEDIATE = 4096, 14336
+DECODE_TARGET, PREFILL_TARGET = 0.70, 0.40
+L2_FLUSH_BYTES = 256 << 20  # a captured ring of calls spans this much, several times the L2
+
+
+def graph_seconds(calls: list[Callable[[], object]], replays: int = 5, trials: int = 5) -> float:
+    """Seconds per call, the calls captured back to back in one CUDA graph (median of trials)."""
+    calls[0]()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / (replays * len(calls)))
+    del graph
+    return statistics.median(times)
+
+
+# ---- ceilings ----------------------------------------------------------------------------
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = do_bench(lambda: dst.copy_(src), return_mode="median") / 1e3
+    return 2 * src.numel() / seconds
+
+
+def matmul_flops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    seconds = do_bench(lambda: a @ b, return_mode="median") / 1e3
+    return 2 * 8192**3 / seconds
+
+
+# ---- attention ---------------------------------------------------------------------------
+
+
+class KVPool:
+    """One large random KV cache; each captured call gets disjoint shuffled blocks of it."""
+
+    def __init__(self, blocks: int) -> None:
+        shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+        self.k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        self.v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+    def calls(self, q_lens: list[int], seq_lens: list[int], config=None) -> list[Callable]:
+        """As many calls as make the ring span L2_FLUSH_BYTES, each on its own blocks."""
+        width = -(-max(seq_lens) // BLOCK)
+        blocks = len(seq_lens) * width
+        per_call = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
+        count = max(1, min(128, -(-L2_FLUSH_BYTES // per_call), self.k.shape[0] // blocks))
+        order = torch.randperm(self.k.shape[0], device="cuda", dtype=torch.int32)
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        query_start_loc = starts.cuda()
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        calls = []
+        for i in range(count):
+            table = order[i * blocks : (i + 1) * blocks].view(len(seq_lens), width)
+            args = (q, self.k, self.v, out, query_start_loc, lens, table, HEAD_DIM**-0.5, config)
+            calls.append(lambda args=args: attention._paged_attention_triton(*args))
+        return calls
+
+
+def decode_rows(pool: KVPool, copy_bw: float) -> list[list[str]]:
+    rows = []
+    for batch in (1, 8, 32, 128):
+        for context in (512, 2048, 8192):
+            seconds = graph_seconds(pool.calls([1] * batch, [context] * batch))
+            kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+            fraction = kv_bytes / seconds / copy_bw
+            target = batch >= 8 and context >= 2048
+            rows.append([
+                str(batch), str(context), f"{seconds * 1e6:.1f}", f"{kv_bytes / 1e6:.1f}",
+                f"{kv_bytes / seconds / 1e12:.2f}", f"{fraction:.2f}",
+                *(_vs_target(fraction, DECODE_TARGET) if target else ["—", "—"]),
+            ])  # fmt: skip
+    return rows
+
+
+def prefill_flops(q_lens: list[int]) -> int:
+    """Causal attention, fresh prompts: QK^T and PV over the q(q+1)/2 visible pairs."""
+    return sum(4 * HEADS * HEAD_DIM * q * (q + 1) // 2 for q in q_lens)
+
+
+def prefill_rows(pool: KVPool, matmul: float) -> list[list[str]]:
+    rows = []
+    for batch, length in ((1, 4096), (8, 512)):
+        q_lens = [length] * batch
+        seconds = graph_seconds(pool.calls(q_lens, q_lens))
+        flops = prefill_flops(q_lens) / seconds
+        rows.append([
+            f"{batch} x {length}", f"{seconds * 1e3:.3f}", f"{flops / 1e12:.0f}",
+            f"{flops / matmul:.2f}", *_vs_target(flops / matmul, PREFILL_TARGET),
+        ])  # fmt: skip
+    return rows
+
+
+def _vs_target(value: float, target: float) -> list[str]:
+    return [f"{target:.2f}", f"{(value / target - 1) * 100:+.0f}%"]
+
+
+# ---- fused small kernels -----------------------------------------------------------------
+
+
+def fused_cases(tokens: int) -> list[tuple[str, Callable, Callable]]:
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16)
+    residual = torch.randn_like(x)
+    weight = torch.rand(HIDDEN, device=dev, dtype=bf16) + 0.5
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=bf16)
+    q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
+    positions = torch.randint(0, 8192, (tokens,), device=dev)
+    cache = torch.randn(8192, HEAD_DIM, device=dev)
+    gate_up = torch.randn(tokens, 2 * INTERMEDIATE, device=dev, dtype=bf16)
+    return [
+        ("rms_norm", lambda: rms_norm(x, weight, 1e-6), lambda: rms_norm_torch(x, weight, 1e-6)),
+        (
+            "residual add + rms_norm",
+            lambda: fused_add_rms_norm(x, residual, weight, 1e-6),
+            lambda: fused_add_rms_norm_torch(x, residual, weight, 1e-6),
+        ),
+        (
+            "rotary (q and k)",
+            lambda: rotary(q, k, positions, cache),
+            lambda: rotary_torch(q, k, positions, cache),
+        ),
+        ("silu_and_mul", lambda: silu_and_mul(gate_up), lambda: silu_and_mul_torch(gate_up)),
+    ]
+
+
+def fused_rows() -> list[list[str]]:
+    rows = []
+    for tokens in (32, 4096):
+        for name, ours, theirs in fused_cases(tokens):
+            graph = [graph_seconds([fn] * 20) * 1e6 for fn in (ours, theirs)]
+            eager = [do_bench(fn, return_mode="median") * 1e3 for fn in (ours, theirs)]
+            rows.append([
+                name, str(tokens), f"{graph[0]:.1f}", f"{graph[1]:.1f}",
+                f"{graph[1] / graph[0]:.1f}x", f"{eager[0]:.1f}", f"{eager[1]:.1f}",
+            ])  # fmt: skip
+    return rows
+
+
+# ---- sweep -------------------------------------------------------------------------------
+
+
+def sweep_rows(pool: KVPool) -> list[list[str]]:
+    """Other launch configurations of the attention kernel on a few cases, fastest first."""
+    Config = attention.Config
+    rows = []
+    for batch, context in ((1, 8192), (8, 2048), (32, 8192)):
+        q_lens, seq_lens = [1] * batch, [context] * batch
+        base = _config_for(q_lens, seq_lens, pool)
+        variants = [base] + [
+            base._replace(**change)
+            for change in (
+                dict(block_n=16),
+                dict(block_n=64),
+                dict(num_stages=3),
+                dict(num_stages=4),
+                dict(num_warps=8),
+                dict(splits=max(1, base.splits // 2)),
+                dict(splits=base.splits * 2),
+                dict(block_n=64, num_stages=3),
+            )  # fmt: skip
+        ]
+        rows += _time_variants(pool, f"decode {batch} x {context}", q_lens, seq_lens, variants)
+    for batch, length in ((1, 4096), (8, 512)):
+        q_lens = [length] * batch
+        variants = [
+            Config(32, 128, 64, 1, 8, 5), Config(32, 128, 64, 1, 8, 3),
+            Config(32, 128, 32, 1, 8, 5), Config(32, 128, 128, 1, 8, 4),
+            Config(16, 64, 64, 1, 4, 5), Config(16, 64, 32, 1, 4, 4), Config(32, 128, 64, 1, 4, 5),
+        ]  # fmt: skip
+        rows += _time_variants(pool, f"prefill {batch} x {length}", q_lens, q_lens, variants)
+    return rows
+
+
+def _config_for(q_lens, seq_lens, pool):
+    q = torch.empty(sum(q_lens), HEADS, HEAD_DIM, device="cuda")
+    table = torch.empty(len(seq_lens), -(-max(seq_lens) // BLOCK), device="cuda")
+    return attention.choose_config(q, pool.k, table, len(seq_lens))
+
+
+def _time_variants(pool, case, q_lens, seq_lens, variants) -> list[list[str]]:
+    timed = []
+    for config in dict.fromkeys(variants):  # drop duplicates, keep order
+        try:
+            timed.append((graph_seconds(pool.calls(q_lens, seq_lens, config)), config))
+        except Exception as error:  # a configuration the compiler rejects (shared memory)
+            print(f"{case} {config}: {type(error).__name__}")
+    timed.sort(key=lambda pair: pair[0])
+    default = _config_for(q_lens, seq_lens, pool)
+    return [
+        [case, _short(config) + (" (default)" if config == default else ""), f"{s * 1e6:.1f}"]
+        for s, config in timed
+    ]
+
+
+def _short(config) -> str:
+    return ", ".join(f"{name}={value}" for name, value in config._asdict().items())
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the markdown report here")
+    parser.add_argument("--sweep", action="store_true", help="time other attention configs")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    copy_bw, matmul = copy_bandwidth(), matmul_flops()
+    pool = KVPool(blocks=128 * 8192 // BLOCK)  # the largest decode case, 4.3 GB of K and V
+    sections = [
+        f"# Kernel benchmarks: {torch.cuda.get_device_name()}\n\n"
+        f"commit {commit()}, {datetime.date.today()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}; kernels timed inside CUDA graphs, bf16\n",
+        f"Ceilings: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + written), "
+        f"torch bf16 matmul 8192^3 {matmul / 1e12:.0f} TFLOP/s\n",
+        f"## Decode attention (query length 1; {HEADS} heads, {KV_HEADS} KV heads, head_dim "
+        f"{HEAD_DIM}; target: KV read at >= {DECODE_TARGET:.0%} of copy bandwidth at batch >= 8, "
+        "context >= 2k)\n\n"
+        + table(
+            ["batch", "context", "µs", "KV MB", "TB/s", "of copy", "target", "vs target"],
+            decode_rows(pool, copy_bw),
+        ),
+        f"## Prefill attention (causal, fresh prompts; target >= {PREFILL_TARGET:.0%} of the "
+        "matmul rate)\n\n"
+        + table(
+            ["tokens", "ms", "TFLOP/s", "of matmul", "target", "vs target"],
+            prefill_rows(pool, matmul),
+        ),
+        "## Fused kernels against the torch sequences they replace (Llama-3.1-8B sizes; µs per "
+        "call in a CUDA graph, and eager by do_bench)\n\n"
+        + table(
+            [
+                "op",
+                "tokens",
+                "triton graph",
+                "torch graph",
+                "speedup",
+                "triton eager",
+                "torch eager",
+            ],
+            fused_rows(),
+        ),  # fmt: skip
+    ]
+    if args.sweep:
+        sections.append(
+            "## Attention launch configurations (µs, fastest first)\n\n"
+            + table(["case", "config", "µs"], sweep_rows(pool))
+        )
+    report = "\n\n".join(sections) + "\n"
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""The Triton kernels under TRITON_INTERPRET=1 on small shapes, against their torch versions and
+a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
+
+import importlib
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from ostinato.kernels import fused_add_rms_norm, rms_norm, rotary, silu_and_mul, store_kv
+from ostinato.kernels.activation import silu_and_mul_torch
+from ostinato.kernels.kv_store import store_kv_torch
+from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from ostinato.kernels.paged_attention import (
+    Config,
+    causal_attention,
+    choose_config,
+    paged_attention_torch,
+)
+from ostinato.kernels.rope import rotary_torch
+
+# the package re-exports the function under the module's name, so reach the module itself
+attention_module = importlib.import_module("ostinato.kernels.paged_attention")
+paged_attention = attention_module.paged_attention
+
+NAN = float("nan")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+
+
+def close(actual, expected, dtype, scale=1.0):
+    tol = TOL[dtype] * scale
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
+
+
+def test_cpu_tensors_take_the_torch_path_without_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+
+    def fail(*args):
+        raise AssertionError("the Triton path ran on CPU tensors")
+
+    monkeypatch.setattr(attention_module, "_paged_attention_triton", fail)
+    batch = make_batch([2], [5], 2, 1, 16, torch.float32)
+    paged_attention(*batch.args(torch.empty_like(batch.q)), 0.25)
+
+
+def test_interpreted_launch_leaves_triton_language_compiled():
+    """The per-launch interpreter swaps triton.language's jitted functions back afterwards, so
+    compiled kernels elsewhere in the process keep working."""
+    silu_and_mul(torch.randn(2, 32))
+    assert type(tl.sum) is JITFunction and type(tl.cdiv) is JITFunction
+
+
+# ---- store_kv ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_torch_and_skips_slot_minus_one(dtype):
+    tokens, kv_heads, head_dim, blocks, block_size = 21, 2, 64, 6, 16
+    kv = torch.randn(tokens, 2 * kv_heads, head_dim).to(dtype)
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as split from a fused projection
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[[0, 7, 20]] = -1
+    caches = [
+        torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=dtype) for _ in "kvKV"
+    ]
+    store_kv(k, v, caches[0], caches[1], slots)
+    store_kv_torch(k, v, caches[2], caches[3], slots)
+    for ours, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+    written = ~caches[0].isnan().view(-1, kv_heads * head_dim).all(-1)
+    assert written.sum() == tokens - 3
+
+
+# ---- norms -------------------------------------------------------------------------------
+
+
+def rms_norm_64(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_and_strided_heads(dtype):
+    x = (torch.randn(5, 96) * 3 + 1).to(dtype)  # 96: a row narrower than its block
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    out = rms_norm(x, weight, 1e-6)
+    close(out, rms_norm_torch(x, weight, 1e-6), dtype)
+    close(out, rms_norm_64(x, weight, 1e-6), dtype)
+    # per-head norm on q viewed out of a fused qkv row (Qwen3's q_norm)
+    qkv = torch.randn(4, 7 * 32).to(dtype)
+    q = qkv[:, : 5 * 32].view(4, 5, 32)
+    head_weight = (torch.rand(32) + 0.5).to(dtype)
+    out = rms_norm(q, head_weight, 1e-5)
+    close(out, rms_norm_64(q, head_weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_in_place(dtype):
+    x, residual = torch.randn(6, 200).to(dtype), torch.randn(6, 200).to(dtype)
+    weight = (torch.rand(200) + 0.5).to(dtype)
+    expected_x, expected_res = x.clone(), residual.clone()
+    fused_add_rms_norm_torch(expected_x, expected_res, weight, 1e-6)
+    reference_res = x.double() + residual.double()
+    fused_add_rms_norm(x, residual, weight, 1e-6)
+    close(residual, expected_res, dtype)
+    close(x, expected_x, dtype)
+    close(residual, reference_res, dtype)
+    close(x, rms_norm_64(reference_res, weight, 1e-6), dtype)
+
+
+# ---- rotary ------------------------------------------------------------------------------
+
+
+def cos_sin_cache(head_dim, max_position, theta=10000.0):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def rotary_64(x, positions, cache):
+    cos, sin = cache[positions].double().unsqueeze(1).chunk(2, dim=-1)
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_strided_q_and_k(dtype):
+    tokens, heads, kv_heads, head_dim = 9, 6, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, 4096, (tokens,))
+    cache = cos_sin_cache(head_dim, 4096)
+    q_ref, k_ref = rotary_64(q, positions, cache), rotary_64(k, positions, cache)
+    q_torch, k_torch = q.clone(), k.clone()
+    rotary_torch(q_torch, k_torch, positions, cache)
+    rotary(q, k, positions, cache)
+    close(q, q_torch, dtype)
+    close(k, k_torch, dtype)
+    close(q, q_ref, dtype)
+    close(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+# ---- silu_and_mul ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 160), (2, 3, 2600)])  # 1300 > one 1024-wide block
+def test_silu_and_mul(dtype, shape):
+    x = (torch.randn(shape) * 3).to(dtype)
+    out = silu_and_mul(x)
+    gate, up = x.double().chunk(2, dim=-1)
+    close(out, silu_and_mul_torch(x), dtype)
+    close(out, torch.nn.functional.silu(gate) * up, dtype)
+
+
+# ---- paged attention ---------------------------------------------------------------------
+
+
+class Batch:
+    """A paged batch whose cache is NaN except at the positions each request owns, so reading
+    past a sequence, or through an unused block-table entry, poisons the output."""
+
+    def __init__(self, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, slots):
+        self.q, self.k_cache, self.v_cache = q, k_cache, v_cache
+        self.query_start_loc, self.seq_lens, self.block_table = (
+            query_start_loc,
+            seq_lens,
+            block_table,
+        )
+        self.slots = slots  # per request: the flat cache slot of each KV position
+
+    def args(self, out):
+        return (self.q, self.k_cache, self.v_cache, out, self.query_start_loc, self.seq_lens,
+                self.block_table)  # fmt: skip
+
+    def reference_64(self, scale):
+        """float64 attention per request; rows of padding tokens stay NaN."""
+        out = torch.full(self.q.shape, NAN, dtype=torch.float64)
+        flat_k = self.k_cache.flatten(0, 1).double()
+        flat_v = self.v_cache.flatten(0, 1).double()
+        starts = self.query_start_loc.tolist()
+        for i, slots in enumerate(self.slots):
+            if starts[i + 1] > starts[i]:
+                q = self.q[starts[i] : starts[i + 1]].double()
+                out[starts[i] : starts[i + 1]] = causal_attention(
+                    q, flat_k[slots], flat_v[slots], scale
+                )
+        return out
+
+
+def make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, dtype, pad_tokens=0, block_size=16):
+    """Requests get shuffled blocks; one spare column per block-table row and every unused entry
+    point at an all-NaN block."""
+    used = [-(-s // block_size) for s in seq_lens]
+    poison = sum(used)
+    order = torch.randperm(poison).tolist()
+    table = torch.full((len(seq_lens), max(used) + 1), poison, dtype=torch.int32)
+    shape = (poison + 1, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+    slots = []
+    for i, (n, s) in enumerate(zip(used, seq_lens, strict=True)):
+        table[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+        positions = torch.arange(s)
+        slots.append(table[i, positions // block_size].long() * block_size + positions % block_size)
+        k_cache.view(-1, kv_heads, head_dim)[slots[-1]] = torch.randn(s, kv_heads, head_dim).to(
+            dtype
+        )
+        v_cache.view(-1, kv_heads, head_dim)[slots[-1]] = torch.randn(s, kv_heads, head_dim).to(
+            dtype
+        )
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(q_lens) + pad_tokens, heads, head_dim).to(dtype)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return Batch(q, k_cache, v_cache, query_start_loc, seq_lens, table, slots)
+
+
+# idle request with context; decode across a block boundary; chunked prefill after 33 cached
+# tokens; first token; fresh 37-token prefill; longer decode; a padded request (0, 0)
+MIXED_Q = [0, 1, 7, 1, 37, 1, 0]
+MIXED_SEQ = [25, 17, 40, 1, 37, 100, 0]
+
+
+def run_attention(batch, config=None):
+    out = torch.full(batch.q.shape, NAN, dtype=batch.q.dtype)
+    scale = batch.q.shape[-1] ** -0.5
+    if config is None:
+        paged_attention(*batch.args(out), scale)
+    else:
+        attention_module._paged_attention_triton(*batch.args(out), scale, config)
+    return out, scale
+
+
+def check_attention(batch, out, scale, dtype):
+    real = int(batch.query_start_loc[-1])
+    expected = torch.full_like(out, NAN)
+    paged_attention_torch(*batch.args(expected), scale)
+    reference = batch.reference_64(scale)
+    assert not out[:real].isnan().any()
+    assert out[real:].isnan().all(), "a padding token's row was written"
+    close(out[:real], reference[:real], dtype, scale=10)
+    close(out[:real], expected[:real], dtype, scale=10)
+
+
+def config_for(kind, group):
+    rows = lambda block_q: max(16, 1 << (block_q * group - 1).bit_length())
+    return {
+        "auto": None,
+        "decode": Config(1, rows(1), 16, 4, num_warps=4, num_stages=1),
+        "tile2-split2": Config(2, rows(2), 16, 2, num_warps=4, num_stages=1),
+        "prefill": Config(max(1, 64 // group), rows(max(1, 64 // group)), 32, 1, 4, 1),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["auto", "decode", "tile2-split2", "prefill"])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_paged_attention_mixed_batch(kind, group):
+    batch = make_batch(MIXED_Q, MIXED_SEQ, 2 * group, 2, 64, torch.float32, pad_tokens=2)
+    out, scale = run_attention(batch, config_for(kind, group))
+    check_attention(batch, out, scale, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_paged_attention_head_dims(head_dim):
+    batch = make_batch([3, 1, 20], [3, 33, 50], 4, 2, head_dim, torch.float32)
+    out, scale = run_attention(batch)
+    check_attention(batch, out, scale, torch.float32)
+
+
+def test_paged_attention_half_precision_decode():
+    batch = make_batch([1, 1, 1, 0], [16, 49, 5, 0], 8, 2, 64, torch.float16, pad_tokens=1)
+    out, scale = run_attention(batch)
+    check_attention(batch, out, scale, torch.float16)
+
+
+def test_config_depends_on_shapes_and_splits_long_decodes(monkeypatch):
+    monkeypatch.setattr(attention_module, "_num_sms", lambda device: 132)
+    q = torch.empty(8, 32, 128)
+    k_cache = torch.empty(10, 16, 8, 128)
+    table = torch.empty(8, 512, dtype=torch.int32)  # up to 8k positions per request
+    decode = choose_config(q, k_cache, table, num_reqs=8)
+    assert decode.block_q == 1 and decode.splits > 1
+    many = choose_config(torch.empty(256, 32, 128), k_cache, torch.empty(256, 512), num_reqs=256)
+    assert many.splits == 1
+    prefill = choose_config(torch.empty(4096, 32, 128), k_cache, table[:1], num_reqs=1)
+    assert prefill.splits == 1 and prefill.block_m >= 64
