@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything we run on a lent GPU, in one script, so a session spends its device time on work.
 #   bash benchmarks/gpu_session.sh tests    # tests/gpu (kernels, breakable capture, engine, graphs)
-#   bash benchmarks/gpu_session.sh bench    # kernel table; latency/startup benches of qwen3-0.6b
-#   bash benchmarks/gpu_session.sh bench8b  # the same benches of llama-3.1-8b, and an 8B generate
+#   bash benchmarks/gpu_session.sh kernels  # the kernel table (benchmarks/bench_kernels.py)
+#   bash benchmarks/gpu_session.sh bench M  # latency / prefill / startup benches of model M
+#   bash benchmarks/gpu_session.sh generate M  # ostinato generate with model M
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -21,30 +22,29 @@ tests)
   info | tee "$OUT/env.txt"
   python3 -m pytest tests/gpu --maxfail=8 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/gpu-tests.log"
   ;;
-bench | bench8b)
+kernels)
   info | tee "$OUT/env.txt"
-  if [ "$stage" = bench ]; then
-    python3 benchmarks/bench_kernels.py --out "$OUT/kernels.md" 2>&1 | tail -n 40
-    model=random:qwen3-0.6b
-  else
-    model=random:llama-3.1-8b
-  fi
+  python3 benchmarks/bench_kernels.py --out "$OUT/kernels.md" 2>&1 | tail -n 40
+  ;;
+bench)
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
   python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,8,32,64 \
-      --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
-      --cuda-graph-mode none,piecewise,full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/latency.jsonl"
+    --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
+    --cuda-graph-mode none,piecewise,full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/latency.jsonl"
   python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 16 \
-      --input-len 32 --output-len 1 --iters 3 --max-model-len 2048 \
-      --cuda-graph-mode none,piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/prefill.jsonl"
+    --input-len 32 --output-len 1 --iters 3 --max-model-len 2048 \
+    --cuda-graph-mode none,piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/prefill.jsonl"
   python3 -m ostinato.cli bench startup --model "$model" --json --max-model-len 2048 \
-      2>>"$OUT/bench.err" | tee -a "$OUT/startup.jsonl"
-  if [ "$stage" = bench8b ]; then
-    python3 -m ostinato.cli generate --model "$model" --max-tokens 16 --max-model-len 2048 \
-      "The capital of France is" 2>&1 | tail -n 6 | tee "$OUT/generate-8b.txt"
-  fi
-  tail -n 20 "$OUT/bench.err"
+    2>>"$OUT/bench.err" | tee -a "$OUT/startup.jsonl"
+  grep -v "it/s\]" "$OUT/bench.err" | tail -n 15
+  ;;
+generate)
+  python3 -m ostinato.cli generate --model "${2:?model}" --max-tokens 16 --max-model-len 2048 \
+    "The capital of France is" 2>&1 | tail -n 8 | tee "$OUT/generate.txt"
   ;;
 *)
-  echo "usage: $0 tests|bench|bench8b" >&2
+  echo "usage: $0 tests | kernels | bench MODEL | generate MODEL" >&2
   exit 2
   ;;
 esac

@@ -108,7 +108,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ostinato.server import serve
+    from ostinato.server.cli import serve
 
     return serve(engine_config(args), args)
 
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_explain)
 
     from ostinato.bench import add_bench_parser
-    from ostinato.server.cli import add_serve_arguments
+    from ostinato.server.args import add_serve_arguments
 
     add_bench_parser(sub, add_engine_args)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

@@ -1,4 +1,4 @@
-"""`ostinato serve`: argument hook and the uvicorn runner."""
+"""`ostinato serve`: the uvicorn runner (imported only by the serve command)."""
 
 from __future__ import annotations
 
@@ -16,31 +16,6 @@ from ostinato.config import EngineConfig
 
 if TYPE_CHECKING:
     from ostinato.engine.async_engine import AsyncEngine
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The server's own flags; engine flags (--model, ...) come from the caller's parser."""
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=None,
-        help="names clients may give as `model` (default: the --model value)",
-    )
-    group.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="answer 503 with Retry-After when more requests than this wait "
-        "(default: the engine config's max_waiting_requests)",
-    )
-    group.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
 
 
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:

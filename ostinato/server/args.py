@@ -1,0 +1,30 @@
+"""The serve command's own flags; light to import, since every ostinato command builds them."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags; engine flags (--model, ...) come from the caller's parser."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients may give as `model` (default: the --model value)",
+    )
+    group.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 with Retry-After when more requests than this wait "
+        "(default: the engine config's max_waiting_requests)",
+    )
+    group.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
