@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: host phases timed with device syncs, and the graph alone.
+
+PYTHONPATH=. python3 benchmarks/profile_step.py --model random:qwen3-0.6b --batch-size 1
+"""
+
+import argparse
+import time
+
+import torch
+
+from ostinato.config import EngineConfig
+from ostinato.engine.engine import LLMEngine
+from ostinato.graphs.modes import CudaGraphMode
+from ostinato.sampling_params import SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048))
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    for _ in range(args.batch_size):
+        engine.add_request(list(range(100, 228)), params)
+    for _ in range(5):
+        engine.step()
+    runner, sync = engine.runner, torch.cuda.synchronize
+    phases = {"schedule": 0.0, "prepare": 0.0, "replay": 0.0, "logits": 0.0, "sample": 0.0,
+              "step (no syncs)": 0.0}
+    for _ in range(args.steps):
+        sync()
+        t0 = time.perf_counter()
+        batch = engine.scheduler.schedule()
+        t1 = time.perf_counter()
+        mode, desc = runner.graphs.dispatch(batch.num_tokens, len(batch.seqs), batch.uniform_query_len)
+        seqs = runner._prepare(batch, desc.num_reqs, desc.num_tokens)
+        sync()
+        t2 = time.perf_counter()
+        hidden = runner.graphs.replay(mode, desc)
+        sync()
+        t3 = time.perf_counter()
+        logits = runner._logits(hidden, len(seqs))
+        sync()
+        t4 = time.perf_counter()
+        out = runner.sampler(logits, seqs)
+        t5 = time.perf_counter()
+        for seq, q in zip(batch.seqs, batch.query_lens):
+            seq.num_computed_tokens += q
+        for seq, tok in zip(seqs, out.token_ids):
+            engine._append_token(seq, tok, None)
+        assert mode is CudaGraphMode.FULL
+        for name, dt in zip(list(phases)[:5], (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            phases[name] += dt
+        sync()
+        t6 = time.perf_counter()
+        engine.step()
+        sync()
+        phases["step (no syncs)"] += time.perf_counter() - t6
+    g = runner.graphs.graphs[CudaGraphMode.FULL][desc]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(100):
+        g.replay()
+    end.record()
+    sync()
+    for name, total in phases.items():
+        print(f"{name:>16}: {total / args.steps * 1e3:.3f} ms")
+    print(f"{'graph on device':>16}: {start.elapsed_time(end) / 100:.3f} ms (100 back-to-back replays)")
+
+
+if __name__ == "__main__":
+    main()
