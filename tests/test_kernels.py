@@ -8,7 +8,14 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ostinato.kernels import fused_add_rms_norm, rms_norm, rotary, silu_and_mul, store_kv
+from ostinato.kernels import (
+    fused_add_rms_norm,
+    qk_norm_rope,
+    rms_norm,
+    rotary,
+    silu_and_mul,
+    store_kv,
+)
 from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.kv_store import store_kv_torch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -18,6 +25,7 @@ from ostinato.kernels.paged_attention import (
     choose_config,
     paged_attention_torch,
 )
+from ostinato.kernels.qk_norm_rope import qk_norm_rope_torch
 from ostinato.kernels.rope import rotary_torch
 
 # the package re-exports the function under the module's name, so reach the module itself
@@ -294,3 +302,53 @@ def test_config_depends_on_shapes_and_splits_long_decodes(monkeypatch):
     assert many.splits == 1
     prefill = choose_config(torch.empty(4096, 32, 128), k_cache, table[:1], num_reqs=1)
     assert prefill.splits == 1 and prefill.block_m >= 64
+
+
+# ---- qk_norm_rope ------------------------------------------------------------------------
+
+
+def qk_norm_rope_case(tokens, heads, kv_heads, head_dim, dtype):
+    """q and k as views of a fused qkv projection, as the model splits them, with v all NaN so
+    a stray read or write of it shows; weights, positions."""
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3 + 1).to(dtype)
+    qkv[:, (heads + kv_heads) * head_dim :] = NAN
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q_weight, k_weight = ((torch.rand(head_dim) + 0.5).to(dtype) for _ in "qk")
+    positions = torch.randint(0, 4096, (tokens,))
+    return qkv, q, k, q_weight, k_weight, positions, cos_sin_cache(head_dim, 4096)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_qk_norm_rope_in_place_on_strided_q_and_k(group, head_dim, dtype):
+    """Qwen3's q_norm, k_norm and rotary in one kernel."""
+    tokens, kv_heads, eps = 5, 2, 1e-6
+    heads = kv_heads * group
+    qkv, q, k, q_weight, k_weight, positions, cache = qk_norm_rope_case(
+        tokens, heads, kv_heads, head_dim, dtype
+    )
+    q_ref = rotary_64(rms_norm_64(q, q_weight, eps), positions, cache)
+    k_ref = rotary_64(rms_norm_64(k, k_weight, eps), positions, cache)
+    q_torch, k_torch = q.clone(), k.clone()
+    qk_norm_rope_torch(q_torch, k_torch, q_weight, k_weight, eps, positions, cache)
+    qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cache)
+    close(q, q_torch, dtype)
+    close(k, k_torch, dtype)
+    close(q, q_ref, dtype)
+    close(k, k_ref, dtype)
+    assert qkv[:, (heads + kv_heads) * head_dim :].isnan().all()  # v untouched
+
+
+def test_qk_norm_rope_rounds_like_the_unfused_layers():
+    """The normalised values round to the dtype before rotating, as the unfused norm stored
+    them: skipping that rounding changes ~30% of the elements, keeping it leaves only the rare
+    ones where fp32 sums round differently. float16, because the interpreter truncates
+    float32 -> bfloat16 where the GPU rounds to nearest."""
+    _, q, k, q_weight, k_weight, positions, cache = qk_norm_rope_case(16, 16, 8, 128, torch.float16)
+    q_torch, k_torch = q.clone(), k.clone()
+    qk_norm_rope_torch(q_torch, k_torch, q_weight, k_weight, 1e-6, positions, cache)
+    qk_norm_rope(q, k, q_weight, k_weight, 1e-6, positions, cache)
+    assert (q != q_torch).float().mean() < 0.01
+    assert (k != k_torch).float().mean() < 0.01

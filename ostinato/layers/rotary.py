@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from ostinato.kernels import rotary
+from ostinato.kernels import qk_norm_rope, rotary
+from ostinato.layers.norm import RMSNorm
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -66,4 +67,17 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotates q [T, H, D] and k [T, KH, D] in place by their positions [T]."""
         rotary(q, k, positions, self.cos_sin_cache)
+        return q, k
+
+    def forward_with_qk_norm(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm,
+        k_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q = rotary(q_norm(q)), k = rotary(k_norm(k)) per head, in place, in one kernel."""
+        assert q_norm.eps == k_norm.eps, "the fused kernel takes one eps for q and k"
+        qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
         return q, k

@@ -67,9 +67,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.heads, self.dim)
         k = k.view(-1, self.kv_heads, self.dim)
         v = v.view(-1, self.kv_heads, self.dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary(positions, q, k)
+        if self.q_norm is None:
+            self.rotary(positions, q, k)
+        else:
+            self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 

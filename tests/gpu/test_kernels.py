@@ -8,6 +8,7 @@ import torch
 from ostinato.kernels import (
     fused_add_rms_norm,
     paged_attention,
+    qk_norm_rope,
     rms_norm,
     rotary,
     silu_and_mul,
@@ -15,6 +16,7 @@ from ostinato.kernels import (
 )
 from ostinato.kernels.kv_store import store_kv_torch
 from ostinato.kernels.paged_attention import paged_attention_torch
+from ostinato.kernels.qk_norm_rope import qk_norm_rope_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -81,6 +83,27 @@ def test_rotary_bf16():
     rotary(q, k, positions, cache)
     assert_rel(q, expected[0])
     assert_rel(k, expected[1])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (64, 8)])  # qwen3-0.6b, qwen3-32b
+def test_qk_norm_rope_bf16(heads, kv_heads):
+    """Against the unfused torch sequence: on the GPU bf16 rounds to nearest (the interpreter
+    truncates), so nearly every element must be equal, not merely close."""
+    tokens, head_dim, max_position = 4096, 128, 40960
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=BF16) * 3
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q_weight, k_weight = (torch.rand(head_dim, device="cuda", dtype=BF16) + 0.5 for _ in "qk")
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
+    freqs = torch.outer(torch.arange(max_position, device="cuda", dtype=torch.float), inv_freq)
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    positions = torch.randint(0, max_position, (tokens,), device="cuda")
+    q_torch, k_torch = q.clone(), k.clone()
+    qk_norm_rope_torch(q_torch, k_torch, q_weight, k_weight, 1e-6, positions, cache)
+    qk_norm_rope(q, k, q_weight, k_weight, 1e-6, positions, cache)
+    for ours, theirs in ((q, q_torch), (k, k_torch)):
+        assert_rel(ours, theirs, tol=1e-3)
+        assert (ours != theirs).float().mean() < 0.01
 
 
 def test_silu_and_mul_bf16():
