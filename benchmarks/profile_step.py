@@ -27,7 +27,8 @@ def main() -> None:
     for _ in range(5):
         engine.step()
     runner, sync = engine.runner, torch.cuda.synchronize
-    phases = dict.fromkeys(["schedule", "prepare", "replay+logits", "sample", "step (no syncs)"], 0.0)
+    names = ["schedule", "prepare", "replay+logits", "sample", "step (no syncs)"]
+    phases = dict.fromkeys(names, 0.0)
     for _ in range(args.steps):
         sync()
         t0 = time.perf_counter()
