@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -13,6 +13,7 @@ DTYPES = {
     "half": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+DEFAULT_MAX_MODEL_LEN = 4096
 CUDA_GRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")
 
 
@@ -34,7 +35,7 @@ class EngineConfig:
     seed: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
+    max_model_len: int | None = None  # None: the model's context length, at most 4096
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int = 256 * 2**20  # bytes of KV cache on CPU
@@ -70,7 +71,7 @@ class EngineConfig:
             )
         self.cuda_graph_mode = mode
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
@@ -92,6 +93,18 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    def with_model_limits(self, max_position_embeddings: int | None) -> EngineConfig:
+        """The config with max_model_len resolved against the model's context length."""
+        limit = max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        if self.max_model_len is None:
+            return replace(self, max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is above the model's context length "
+                f"(max_position_embeddings={limit}): lower max_model_len"
+            )
+        return self
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -169,3 +169,13 @@ def test_cpu_report_counts_eager_steps():
     assert report["requested_mode"] == "piecewise" and report["cuda_graph_mode"] == "none"
     assert report["steps"]["none"] == 3 and report["steps"]["full"] == 0
     assert report["captured"] == {"full": [], "piecewise": []}
+
+
+def test_max_model_len_defaults_to_the_model_and_rejects_more(tmp_path):
+    from helpers import make_hf_checkpoint
+
+    path = make_hf_checkpoint("qwen3", tmp_path / "q", max_position_embeddings=96)
+    assert LLM(str(path), device="cpu").engine.config.max_model_len == 96
+    assert LLM("tiny", device="cpu").engine.config.max_model_len == 4096
+    with pytest.raises(ValueError, match="max_position_embeddings=96"):
+        LLM(str(path), device="cpu", max_model_len=128)

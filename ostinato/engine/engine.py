@@ -21,9 +21,10 @@ logger = logging.getLogger("ostinato")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        self.hf_config = load_hf_config(config.model)
+        config = config.with_model_limits(getattr(self.hf_config, "max_position_embeddings", None))
         self.config = config
         self.model_name = config.model
-        self.hf_config = load_hf_config(config.model)
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config, self.hf_config)
