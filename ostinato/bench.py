@@ -125,10 +125,14 @@ def bench_latency(config: EngineConfig, args, bandwidth: float | None) -> list[d
     engine, _ = _build(config)
     results = []
     for batch in args.batch_size:
-        _timed_run(engine, _prompts(engine, batch, args.input_len), min(args.output_len, 8))
+        # Seeds unique per (batch size, run): no run's prompts prefix another's.
+        seeds = [batch * 1000 + i for i in range(args.iters + 1)]
+        _timed_run(
+            engine, _prompts(engine, batch, args.input_len, seeds[0]), min(args.output_len, 8)
+        )
         runs = sorted(
             _timed_run(engine, _prompts(engine, batch, args.input_len, seed), args.output_len)
-            for seed in range(1, args.iters + 1)
+            for seed in seeds[1:]
         )
         ttft, tpot = runs[len(runs) // 2]
         report = engine.graph_report()

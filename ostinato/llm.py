@@ -40,20 +40,25 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         token_ids = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
-                token_ids.append(self.engine.encode_prompt(prompt))
+                token_ids.append(self.engine.validate(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [self.engine.add_request(t, p) for t, p in zip(token_ids, params, strict=True)]
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(finished) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        finally:  # an error or Ctrl-C must not leave requests behind for the next call
+            bar.close()
+            for request_id in ids:
+                if request_id not in finished:
+                    self.engine.abort_request(request_id)
         return [finished[i] for i in ids]
 
     def graph_report(self) -> dict:

@@ -161,3 +161,17 @@ def test_request_error_is_500_and_stream_error_event():
         await app.state.async_engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_duplicate_request_id_is_refused_and_the_original_runs_on():
+    async def main():
+        engine = FakeEngine()
+        async_engine = await _started(engine)
+        first = await async_engine.add([("hi", SamplingParams(max_tokens=20))], ["x"])
+        with pytest.raises(ValueError, match="already running"):
+            await async_engine.add([("yo", SamplingParams(max_tokens=2))], ["x"])
+        outs = [o async for o in first]
+        assert outs[-1].finished and outs[-1].text == "abcdefghijklmnopqrst"
+        await async_engine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), 10))

@@ -179,3 +179,47 @@ def test_max_model_len_defaults_to_the_model_and_rejects_more(tmp_path):
     assert LLM("tiny", device="cpu").engine.config.max_model_len == 4096
     with pytest.raises(ValueError, match="max_position_embeddings=96"):
         LLM(str(path), device="cpu", max_model_len=128)
+
+
+def test_logprobs_above_the_vocabulary_is_rejected_up_front(llm):
+    good, bad = SamplingParams(max_tokens=2), SamplingParams(logprobs=10**6)
+    with pytest.raises(ValueError, match="prompt 1: logprobs"):
+        llm.generate(["a", "b"], [good, bad])
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+    ],
+)
+def test_non_finite_temperature_and_huge_seed(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_is_greedy(llm):
+    greedy = llm.generate(["abc"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    tiny = llm.generate(["abc"], SamplingParams(temperature=1e-40, max_tokens=6, ignore_eos=True))
+    assert tiny[0].token_ids == greedy[0].token_ids
+
+
+def test_a_failing_step_leaves_no_request_behind(llm, monkeypatch):
+    def boom(batch):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    with pytest.raises(RuntimeError, match="fell over"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=3))
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert (
+        len(llm.generate(["again"], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids)
+        == 3
+    )

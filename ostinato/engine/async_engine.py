@@ -217,12 +217,17 @@ class AsyncEngine:
             raise EngineOverloadedError(
                 f"too many requests waiting ({waiting}, limit {limit}); retry later"
             )
+        taken = [rid for rid in stream.request_ids if rid in self._tracked]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already running: use a new id")
+        added: list[str] = []
         try:
             for rid, (prompt, params) in zip(stream.request_ids, requests, strict=True):
                 self.engine.add_request(prompt, params, rid)
                 self._tracked[rid] = _Tracked(stream, arrival)
+                added.append(rid)
         except Exception:
-            self._abort(stream.request_ids)
+            self._abort(added)  # only what this call added: a running id belongs to another stream
             raise
 
     def _abort(self, request_ids: list[str]) -> None:

@@ -56,6 +56,7 @@ class BlockManager:
             self._take(block)
             seq.block_ids.append(block)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_ids) * self.block_size
+        seq.num_committed_blocks = len(seq.block_ids)  # cached blocks are registered already
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give seq enough blocks for num_new_tokens more tokens (caller checked can_allocate)."""
@@ -71,11 +72,12 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for i in range(num_full):
+        for i in range(seq.num_committed_blocks, num_full):
             block, h = seq.block_ids[i], seq.block_hashes[i]
             if self.hash_of_block[block] is None and h not in self.block_of_hash:
                 self.hash_of_block[block] = h
                 self.block_of_hash[h] = block
+        seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         # Tail blocks first, so a prefix's head outlives its tail in the LRU queue.
@@ -86,6 +88,7 @@ class BlockManager:
                 if self.hash_of_block[block] is None:
                     self.free_queue.move_to_end(block, last=False)  # nothing to keep: reuse first
         seq.block_ids = []
+        seq.num_committed_blocks = 0
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -67,10 +67,18 @@ class LLMEngine:
             )
         return token_ids
 
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of a request the engine can run, or a ValueError naming the problem."""
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(
+                f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
+            )
+        return self.encode_prompt(prompt)
+
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        token_ids = self.encode_prompt(prompt)
+        token_ids = self.validate(prompt, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running: use a new id")

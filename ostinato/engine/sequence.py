@@ -26,6 +26,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.block_ids: list[int] = []
+        self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
         self.block_hashes: list[int] = []  # chain hashes of the full blocks, in order
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.generator: torch.Generator | None = None

@@ -6,6 +6,7 @@ it fills the pinned host mirror and copies the live batch in.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ostinato.context import AttentionMetadata
@@ -33,6 +34,15 @@ class InputBuffers:
             self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         # numpy views of the host mirror: writing through them costs far less per call
         self.host_np = {name: t.numpy() for name, t in self.host.items()}
+        # Marks when the device has read the host mirror: copies are asynchronous, and a step
+        # that samples nothing never waits on the device, so the next step must before writing.
+        self.copied = torch.cuda.Event() if pin else None
+
+    def host_for_writing(self) -> dict[str, np.ndarray]:
+        """The host mirror as numpy arrays, once the last step's copies out of it are done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_np
 
     def write(
         self,
@@ -62,6 +72,8 @@ class InputBuffers:
         width = block_table_width
         bt = host["block_table"][:num_padded_reqs, :width]
         d["block_table"][:num_padded_reqs, :width].copy_(bt, True)
+        if self.copied is not None:
+            self.copied.record()
 
     def metadata(self, num_tokens: int, num_reqs: int) -> AttentionMetadata:
         """Attention metadata over the first num_tokens / num_reqs entries of the buffers."""

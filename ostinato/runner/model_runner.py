@@ -39,7 +39,6 @@ class ModelRunner:
         self.buffers = InputBuffers(
             config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks, self.device
         )
-        self.host_arrays = self.buffers.host_np
         self.static_bytes = (
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
@@ -196,7 +195,7 @@ class ModelRunner:
         self, batch: ScheduledBatch, num_padded_reqs: int, num_padded_tokens: int
     ) -> list[Sequence]:
         """Write batch into the host mirror (vectorised over tokens), then copy it over."""
-        h, seqs, bs = self.host_arrays, batch.seqs, self.block_size
+        h, seqs, bs = self.buffers.host_for_writing(), batch.seqs, self.block_size
         n, num_tokens = len(seqs), batch.num_tokens
         starts = [s.num_computed_tokens for s in seqs]
         ends = [a + q for a, q in zip(starts, batch.query_lens, strict=True)]
@@ -227,7 +226,7 @@ class ModelRunner:
 
     def _fill_dummy(self, num_tokens: int, num_reqs: int) -> None:
         """Write a fake batch that stores nothing: num_reqs requests sharing num_tokens tokens."""
-        h = self.host_arrays
+        h = self.buffers.host_for_writing()
         lens = np.full(num_reqs, num_tokens // num_reqs)
         lens[: num_tokens % num_reqs] += 1
         ends = np.cumsum(lens)

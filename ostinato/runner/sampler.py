@@ -29,7 +29,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         device = logits.device
-        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=device)
+        temps = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
+        temps = torch.tensor(temps, device=device)
         scaled = logits / temps[:, None]
         if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in seqs):
             scaled = _top_k_top_p(scaled, seqs)

@@ -61,14 +61,23 @@ class _Call:
         self.index = {rid: i for i, rid in enumerate(self.request_ids)}
 
     def choice(
-        self, i: int, text: str, out: RequestOutput, start: int, finish: str | None, delta: bool
+        self,
+        i: int,
+        text: str,
+        out: RequestOutput,
+        start: int,
+        finish: str | None,
+        delta: bool,
+        text_offset: int = 0,
     ) -> dict[str, Any]:
-        """Choice i: `text` is the tail of out.text, and out's tokens from `start` on are new."""
+        """Choice i: `text` starts at text_offset of out.text; out's tokens from `start` on
+        are new. (A stream may hold back text that could begin a stop string, so the offset
+        is where the client's text ends, not len(out.text) - len(text).)"""
         if self.chat:
             body = {"delta": {"content": text}} if delta else {"message": _message(text)}
         else:
             body = {"text": text}
-        logprobs = self._logprobs(out, start, len(out.text) - len(text))
+        logprobs = self._logprobs(out, start, text_offset)
         return {"index": i, **body, "logprobs": logprobs, "finish_reason": finish}
 
     def _logprobs(self, out: RequestOutput, start: int, offset: int) -> dict | None:
@@ -242,12 +251,13 @@ class OpenAIServer:
                     break
                 i = call.index[out.request_id]
                 visible = out.text if out.finished else _without_stop_prefix(out.text, call.stops)
-                text, start = visible[sent_text[i] :], sent_tokens[i]
+                offset, start = sent_text[i], sent_tokens[i]
+                text = visible[offset:]
                 sent_text[i], sent_tokens[i] = len(visible), len(out.token_ids)
                 if out.finished:
                     finals[i] = out
                 if text or out.finished or (call.num_logprobs is not None and out.new_token_ids):
-                    choice = call.choice(i, text, out, start, out.finish_reason, True)
+                    choice = call.choice(i, text, out, start, out.finish_reason, True, offset)
                     yield _sse(call.envelope([choice], True))
             else:
                 if include_usage:

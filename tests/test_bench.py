@@ -1,0 +1,45 @@
+"""The bench commands on CPU: they run, report what they claim, and measure fresh prompts."""
+
+import argparse
+import json
+
+import pytest
+
+import ostinato.bench as bench
+from ostinato.cli import main
+from ostinato.config import EngineConfig
+
+
+def test_latency_runs_never_hit_the_prefix_cache(monkeypatch):
+    engines = []
+    build = bench._build
+
+    def keep(config):
+        engine, seconds = build(config)
+        engines.append(engine)
+        return engine, seconds
+
+    monkeypatch.setattr(bench, "_build", keep)
+    args = argparse.Namespace(batch_size=[1, 4], input_len=40, output_len=3, iters=2)
+    results = bench.bench_latency(EngineConfig(device="cpu"), args, None)
+    assert [r["batch_size"] for r in results] == [1, 4]
+    assert all(r["tpot_ms"] > 0 and r["ttft_ms"] > 0 for r in results)
+    assert engines[0].stats()["prefix_cache_hits"] == 0
+
+
+def test_cli_bench_json_lines(capsys):
+    argv = ["bench", "latency", "--batch-size", "2", "--output-len", "3", "--iters", "1"]
+    assert main([*argv, "--device", "cpu", "--json", "--cuda-graph-mode", "none,piecewise"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["requested_mode"] for r in lines] == ["none", "piecewise"]
+    assert all(r["mode"] == "none" for r in lines)  # CPU: graphs resolve to none
+    assert main(["bench", "startup", "--device", "cpu", "--json"]) == 0
+    startup = json.loads(capsys.readouterr().out)
+    assert startup["num_graphs"] == 0 and startup["load_s"] > 0
+
+
+def test_bad_batch_sizes_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "latency", "--batch-size", "0,4", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "positive integers" in capsys.readouterr().err
