@@ -26,7 +26,7 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
         p = kinds.add_parser(name, help=help_text)
         p.add_argument("--json", action="store_true", help="print one JSON object per result")
         add_engine_args(p)
-        p.set_defaults(func=lambda args: run_bench(args))
+        p.set_defaults(func=run_bench)
     kinds.choices["latency"].add_argument(
         "--batch-size", type=_int_list, default=[1], help="comma-separated batch sizes (default 1)"
     )

@@ -113,12 +113,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config(args), args)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from ostinato.bench import run_bench
-
-    return run_bench(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ostinato", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,8 +49,6 @@ class EngineConfig:
     check_graphs: int = 0
     debug_graph_addresses: bool = False
     max_waiting_requests: int = 1024
-    trust_remote_code: bool = False
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
 @dataclass
 class RequestOutput:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # shared with the engine: read, never modify
     token_ids: list[int]  # every generated token so far
     text: str  # detokenized generated text so far (stop string removed)
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step

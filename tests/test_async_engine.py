@@ -38,7 +38,6 @@ class FakeEngine:
     def __init__(self, **config) -> None:
         self.config = EngineConfig(device="cpu", max_model_len=64, **config)
         self.tokenizer = ByteTokenizer()
-        self.model_name = self.config.model
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.fail_step = False
 

@@ -223,3 +223,16 @@ def test_a_failing_step_leaves_no_request_behind(llm, monkeypatch):
         len(llm.generate(["again"], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids)
         == 3
     )
+
+
+def test_outputs_are_snapshots_that_later_steps_leave_alone(llm):
+    engine = llm.engine
+    engine.add_request("snap", SamplingParams(max_tokens=4, logprobs=2, ignore_eos=True))
+    first = []
+    while not first:
+        first = engine.step()
+    tokens, logprobs = list(first[0].token_ids), list(first[0].logprobs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert first[0].token_ids == tokens and first[0].logprobs == logprobs
+    assert len(tokens) == 1 and len(logprobs) == 1

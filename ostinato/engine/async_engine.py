@@ -245,9 +245,6 @@ class AsyncEngine:
                 continue  # aborted after the step was scheduled
             if tracked.first_token is None and out.token_ids:
                 tracked.first_token = now
-            if out.logprobs is not None:
-                # The engine appends to this list in place on later steps: freeze it now.
-                out = dataclasses.replace(out, logprobs=list(out.logprobs))
             tracked.last = out
             if out.finished:
                 del self._tracked[out.request_id]

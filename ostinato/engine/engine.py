@@ -24,7 +24,6 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         config = config.with_model_limits(getattr(self.hf_config, "max_position_embeddings", None))
         self.config = config
-        self.model_name = config.model
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config, self.hf_config)
@@ -121,17 +120,18 @@ class LLMEngine:
             seq.logprobs.append(logprobs)
         self.generation_tokens_total += 1
         detok = self.detokenizers[seq.request_id]
-        detok.update(seq.output_token_ids)
+        output_ids = seq.output_token_ids  # one copy per step, shared below
+        detok.update(output_ids)
         reason = self._finish_reason(seq, token, detok)
-        if reason is not None and not detok.text_stopped:
-            detok.update(seq.output_token_ids, final=True)
         if reason is not None:
+            if not detok.text_stopped:
+                detok.update(output_ids, final=True)
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id], self.detokenizers[seq.request_id]
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
+            token_ids=output_ids,
             text=detok.text,
             new_token_ids=[token],
             finished=reason is not None,

@@ -19,6 +19,8 @@ class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
+        # Kept apart and never mutated, so every output can share it instead of copying it.
+        self.prompt_token_ids = tuple(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.status = SequenceStatus.WAITING
@@ -37,10 +39,6 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
@@ -51,10 +49,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone, so every token is computed again on resume."""
