@@ -9,6 +9,7 @@ import time
 import torch
 
 from ostinato.config import EngineConfig
+from ostinato.context import ForwardContext, forward_context
 from ostinato.engine.engine import LLMEngine
 from ostinato.graphs.modes import CudaGraphMode
 from ostinato.sampling_params import SamplingParams
@@ -34,21 +35,27 @@ def main() -> None:
         t0 = time.perf_counter()
         batch = engine.scheduler.schedule()
         t1 = time.perf_counter()
-        n = len(batch.seqs)
-        mode, desc = runner.graphs.dispatch(batch.num_tokens, n, batch.uniform_query_len)
-        assert mode is CudaGraphMode.FULL, "a uniform decode batch should replay a FULL graph"
-        seqs = runner._prepare(batch, desc.num_reqs, desc.num_tokens)
+        step = runner.build_step(batch)
+        assert step.mode is CudaGraphMode.FULL, "a uniform decode batch should replay a FULL graph"
+        runner.buffers.load(step)
         sync()
         t2 = time.perf_counter()
-        logits = runner._logits(runner.graphs.replay(mode, desc), n)
+        ctx = ForwardContext(
+            runner.buffers.metadata(step.padded_tokens, step.padded_reqs),
+            runner.kv_caches,
+            runner.backend,
+        )
+        with forward_context(ctx):
+            hidden = runner.graphs.run(step.mode, step.desc, step.num_tokens, None)
+        logits = runner._logits(hidden, len(step.sampling))
         sync()
         t3 = time.perf_counter()
-        out = runner.sampler(logits, seqs)
+        out = runner.sampler(logits, step.sampling)
         t4 = time.perf_counter()
-        for seq, q in zip(batch.seqs, batch.query_lens, strict=True):
-            seq.num_computed_tokens += q
-        for seq, tok in zip(seqs, out.token_ids, strict=True):
-            engine._append_token(seq, tok, None)
+        engine.scheduler.complete(batch)
+        seqs = {seq.request_id: seq for seq in batch.seqs}
+        for row, tok in zip(step.sampling, out.token_ids, strict=True):
+            engine._append_token(seqs[row.request_id], tok, None)
         for name, dt in zip(list(phases)[:4], (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             phases[name] += dt
         sync()
@@ -56,7 +63,7 @@ def main() -> None:
         engine.step()
         sync()
         phases["step (no syncs)"] += time.perf_counter() - t6
-    g = runner.graphs.graphs[CudaGraphMode.FULL][desc]
+    g = runner.graphs.graphs[CudaGraphMode.FULL][step.desc]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(100):

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ostinato.distributed.parallel import stage_layers
+
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -49,6 +51,10 @@ class EngineConfig:
     check_graphs: int = 0
     debug_graph_addresses: bool = False
     max_waiting_requests: int = 1024
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pp_layer_partition: list[int] | None = None  # layers per stage; None: an even split
+    distributed_timeout: float = 120.0  # seconds any one collective may take before it fails
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -83,6 +89,21 @@ class EngineConfig:
             raise ValueError(f"check_graphs must be >= 0, got {self.check_graphs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        for name in ("pipeline_parallel_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.pp_layer_partition is not None:
+            self.pp_layer_partition = list(self.pp_layer_partition)
+            if len(self.pp_layer_partition) != self.pipeline_parallel_size:
+                raise ValueError(
+                    f"pp_layer_partition has {len(self.pp_layer_partition)} entries for "
+                    f"pipeline_parallel_size={self.pipeline_parallel_size}: give one layer "
+                    "count per stage"
+                )
+        if not self.distributed_timeout > 0:
+            raise ValueError(
+                f"distributed_timeout must be positive seconds, got {self.distributed_timeout}"
+            )
 
     @property
     def is_cuda(self) -> bool:
@@ -92,9 +113,21 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def with_model_limits(self, max_position_embeddings: int | None) -> EngineConfig:
-        """The config with max_model_len resolved against the model's context length."""
-        limit = max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    def for_model(self, hf_config) -> EngineConfig:
+        """The config checked against the model: max_model_len resolved against its context
+        length, the pipeline split against its layers."""
+        num_layers = hf_config.num_hidden_layers
+        if self.pipeline_parallel_size > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} is more than the model's "
+                f"{num_layers} layers: every stage needs at least one"
+            )
+        stage_layers(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+        limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
         if self.max_model_len is None:
             return replace(self, max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
         if self.max_model_len > limit:

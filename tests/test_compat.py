@@ -125,7 +125,9 @@ def test_rules_are_logged_once_at_start_up(caplog):
 def test_cpu_runner_runs_eagerly_and_reports_why():
     runner = GraphRunner(EngineConfig(device="cpu"))
     runner.capture(lambda desc: pytest.fail("nothing is captured on a CPU"))
-    assert runner.dispatch(5, 2, None)[0].value == "none"
+    mode, desc = runner.dispatch(5, 2, None)
+    assert mode.value == "none"
+    assert runner.run(mode, desc, 5, lambda: "eager") == "eager"
     report = runner.report()
     assert report["cuda_graph_mode"] == "none"
     assert report["decisions"][0]["rule"] == "cpu_device"

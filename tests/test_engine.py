@@ -209,14 +209,14 @@ def test_tiny_temperature_is_greedy(llm):
 
 
 def test_a_failing_step_leaves_no_request_behind(llm, monkeypatch):
-    def boom(batch):
+    def boom(step):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    monkeypatch.setattr(llm.engine.runner, "run", boom)
     with pytest.raises(RuntimeError, match="fell over"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=3))
     monkeypatch.undo()
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.scheduler.in_flight
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert (

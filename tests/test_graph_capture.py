@@ -149,7 +149,11 @@ def test_runner_captures_largest_first_and_drops_what_runs_out_of_memory(rec):
     mode, desc = runner.dispatch(10, 10, 1)  # its FULL graph is gone: piecewise instead
     assert (mode, desc) == (CudaGraphMode.PIECEWISE, BatchDescriptor.piecewise(16))
     rec.events.clear()
-    runner.replay(mode, desc)
+    runner.run(mode, desc, 10, lambda: pytest.fail("a captured key replays"))
     assert [e[0] for e in rec.events] == ["replay", "attend", "replay", "attend", "replay"]
     assert runner.report()["steps"]["piecewise"] == 1
     assert runner.report()["padded_tokens"] == 6
+    # a key this process did not capture runs eagerly (another rank may hold its graph)
+    gone = BatchDescriptor(16, 16, 1)
+    assert runner.run(CudaGraphMode.FULL, gone, 16, lambda: "eager") == "eager"
+    assert runner.report()["steps"]["none"] == 1

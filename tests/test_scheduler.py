@@ -29,11 +29,11 @@ def fake_step(sched: Scheduler, next_token=lambda seq: 7) -> list[Sequence]:
     for seq, q in zip(batch.seqs, batch.query_lens, strict=True):
         assert q >= 1
         assert len(seq.block_ids) * BS >= seq.num_computed_tokens + q
-        done = seq.num_computed_tokens + q == len(seq)
-        seq.num_computed_tokens += q
-        sched.block_manager.commit(seq)
-        if done:
-            seq.token_ids.append(next_token(seq))
+    sampled = [s for s, q in zip(batch.seqs, batch.query_lens, strict=True)
+               if s.num_computed_tokens + q == len(s)]  # fmt: skip
+    sched.complete(batch)
+    for seq in sampled:
+        seq.token_ids.append(next_token(seq))
     return batch.seqs
 
 
@@ -157,3 +157,58 @@ def test_random_workload_never_leaks_blocks(num_blocks):
     run_to_completion(sched, seqs, max_out=3)
     assert bm.num_free_blocks == num_blocks
     assert not bm.block_of_hash or all(bm.ref_counts[b] == 0 for b in bm.block_of_hash.values())
+
+
+def make_pipelined_scheduler(num_blocks: int, stages: int, max_seqs: int = 8):
+    config = EngineConfig(
+        device="cpu",
+        block_size=BS,
+        max_num_batched_tokens=64,
+        max_num_seqs=max_seqs,
+        pipeline_parallel_size=stages,
+    )
+    bm = BlockManager(num_blocks, BS)
+    return Scheduler(config, bm), bm
+
+
+def test_microbatches_split_the_requests_and_never_share_one():
+    sched, _ = make_pipelined_scheduler(num_blocks=64, stages=2)
+    seqs = [Sequence(f"r{i}", [1, 2, 3], SamplingParams()) for i in range(6)]
+    for s in seqs:
+        sched.add(s)
+    first, second = sched.schedule(), sched.schedule()
+    assert len(first.seqs) == len(second.seqs) == 3
+    assert not set(first.seqs) & set(second.seqs)
+    assert sched.schedule() is None  # every request is in flight
+    sched.complete(first)
+    for seq in first.seqs:
+        seq.token_ids.append(7)  # what sampling would have appended
+    third = sched.schedule()
+    assert set(third.seqs) == set(first.seqs)  # only what left flight runs again
+    assert all(s.num_computed_tokens == 3 for s in first.seqs)
+    assert all(s.num_computed_tokens == 0 for s in second.seqs)
+
+
+def test_a_request_aborted_in_flight_is_not_advanced():
+    sched, bm = make_pipelined_scheduler(num_blocks=64, stages=2)
+    a, b = Sequence("a", [1, 2, 3], SamplingParams()), Sequence("b", [4, 5], SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    sched.finish(batch.seqs[0], "abort")
+    sched.complete(batch)
+    assert batch.seqs[0].num_computed_tokens == 0 and not sched.in_flight
+
+
+def test_preemption_spares_requests_in_flight():
+    sched, bm = make_pipelined_scheduler(num_blocks=4, stages=2, max_seqs=2)
+    a = Sequence("a", list(range(7)), SamplingParams())  # 2 blocks
+    b = Sequence("b", list(range(7)), SamplingParams())  # 2 blocks
+    sched.add(a)
+    sched.add(b)
+    batch_a, batch_b = sched.schedule(), sched.schedule()
+    assert batch_a.seqs == [a] and batch_b.seqs == [b] and bm.num_free_blocks == 0
+    sched.complete(batch_a)
+    a.token_ids.extend([9] * 5)  # a needs a third block while b is in flight
+    assert sched.schedule() is None  # a preempts itself, never b
+    assert b in sched.in_flight and b.block_ids and a.status is SequenceStatus.WAITING

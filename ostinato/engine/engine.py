@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import deque
 
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
 from ostinato.engine.detokenizer import IncrementalDetokenizer
-from ostinato.engine.scheduler import Scheduler
-from ostinato.engine.sequence import Sequence
+from ostinato.engine.scheduler import ScheduledBatch, Scheduler
+from ostinato.engine.sequence import Sequence, SequenceStatus
 from ostinato.loader import load_hf_config
 from ostinato.outputs import RequestOutput
-from ostinato.runner.model_runner import ModelRunner
+from ostinato.runner.executor import PendingStep, create_executor
+from ostinato.runner.step import StepInput
 from ostinato.sampling_params import SamplingParams
 from ostinato.tokenizer import load_tokenizer
 
@@ -22,12 +24,13 @@ logger = logging.getLogger("ostinato")
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.hf_config = load_hf_config(config.model)
-        config = config.with_model_limits(getattr(self.hf_config, "max_position_embeddings", None))
+        config = config.for_model(self.hf_config)
         self.config = config
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = ModelRunner(config, self.hf_config)
-        num_blocks = self.runner.num_blocks
+        self.executor = create_executor(config, self.hf_config)
+        self.runner = self.executor.runner  # the driver's own stage
+        num_blocks = self.executor.num_blocks
         if num_blocks * config.block_size < config.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, fewer than "
@@ -40,6 +43,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.in_flight: deque[tuple[ScheduledBatch, StepInput, PendingStep]] = deque()
+        self._ended: list[str] = []  # request ids the sampler may forget, sent with the next step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -89,29 +94,47 @@ class LLMEngine:
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.requests.pop(request_id, None)
+        seq = self.requests.get(request_id)
         if seq is not None:
-            self.scheduler.finish(seq, "abort")
-            self.detokenizers.pop(request_id)
+            self._end(seq, "abort")
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.request_id], self.detokenizers[seq.request_id]
+        self._ended.append(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
+        """Submit batches until every pipeline stage has one, then finish the oldest."""
+        while len(self.in_flight) < self.executor.max_in_flight:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            step = self.runner.build_step(batch, tuple(self._ended))
+            self._ended.clear()
+            self.in_flight.append((batch, step, self.executor.submit(step)))
+        if not self.in_flight:
             return []
-        result = self.runner.execute(batch)
-        for seq, q in zip(batch.seqs, batch.query_lens, strict=True):
-            seq.num_computed_tokens += q
-            self.block_manager.commit(seq)
-        if result is None:
+        batch, step, pending = self.in_flight.popleft()
+        try:
+            sampled = pending.result()
+        except BaseException:
+            self.scheduler.complete(batch, ran=False)
+            raise
+        self.scheduler.complete(batch)
+        if sampled is None:
             return []
-        seqs, sampled = result
+        seqs = {seq.request_id: seq for seq in batch.seqs}
         outputs = []
-        for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            outputs.append(self._append_token(seq, token, logprobs))
+        for row, token, logprobs in zip(
+            step.sampling, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            seq = seqs[row.request_id]
+            if seq.status is not SequenceStatus.FINISHED:  # else aborted while in flight
+                outputs.append(self._append_token(seq, token, logprobs))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> RequestOutput:
@@ -126,8 +149,7 @@ class LLMEngine:
         if reason is not None:
             if not detok.text_stopped:
                 detok.update(output_ids, final=True)
-            self.scheduler.finish(seq, reason)
-            del self.requests[seq.request_id], self.detokenizers[seq.request_id]
+            self._end(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -172,4 +194,8 @@ class LLMEngine:
         }
 
     def graph_report(self) -> dict:
-        return self.runner.graph_report()
+        return self.executor.graph_report()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any; the engine takes no more steps."""
+        self.executor.shutdown()

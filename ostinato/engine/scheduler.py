@@ -4,6 +4,10 @@ Each step packs the decode tokens of running requests first, then prefill chunks
 requests still prefilling, then of newly admitted ones) under `max_num_batched_tokens` and
 `max_num_seqs`. When blocks run out, the most recently admitted request is preempted and will
 recompute its tokens later.
+
+With pipeline parallelism several batches are in flight at once (one per stage): a request
+in flight is never scheduled again until its batch completes, and each batch takes at most
+its share of the unfinished requests, so the stages get batches of similar size.
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.num_microbatches = config.pipeline_parallel_size
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.in_flight: set[Sequence] = set()
         self.num_preemptions = 0
         self._budget = 0
         self._scheduled: dict[Sequence, int] = {}
@@ -54,27 +60,46 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next batch of requests not already in flight; None when there is none."""
         self._budget = self.max_num_batched_tokens
         self._scheduled: dict[Sequence, int] = {}
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        cap = -(-(len(self.running) + len(self.waiting)) // self.num_microbatches)
+        ready = [s for s in self.running if s not in self.in_flight]
+        decodes = [s for s in ready if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in ready if s.num_uncomputed_tokens > 1]
         for seq in decodes + prefills:
-            if self._budget == 0:
+            if self._budget == 0 or len(self._scheduled) == cap:
                 break
             if seq.status == SequenceStatus.RUNNING:  # else preempted earlier this step
                 self._schedule_running(seq)
-        while self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and self._budget > 0
+            and len(self.running) < self.max_num_seqs
+            and len(self._scheduled) < cap
+        ):
             if not self._admit(self.waiting[0]):
                 break
         if not self._scheduled:
             return None
+        self.in_flight.update(self._scheduled)
         return ScheduledBatch(list(self._scheduled), list(self._scheduled.values()))
 
+    def complete(self, batch: ScheduledBatch, ran: bool = True) -> None:
+        """batch left flight. If it ran, its tokens are in the KV cache; requests that ended
+        while it was in flight are skipped (their blocks are gone)."""
+        for seq, n in zip(batch.seqs, batch.query_lens, strict=True):
+            self.in_flight.discard(seq)
+            if ran and seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += n
+                self.block_manager.commit(seq)
+
     def _schedule_running(self, seq: Sequence) -> None:
-        """Allocate blocks for seq's next chunk, preempting the newest requests if needed."""
+        """Allocate blocks for seq's next chunk, preempting the newest requests that are not
+        in flight if needed."""
         n = min(seq.num_uncomputed_tokens, self._budget)
         while not self.block_manager.can_allocate(seq, n):
-            victim = self.running[-1]
+            victim = next(s for s in reversed(self.running) if s not in self.in_flight)
             self._preempt(victim)
             if victim is seq:
                 return

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import enum
 
-import torch
-
 from ostinato.sampling_params import SamplingParams
 
 
@@ -31,9 +29,6 @@ class Sequence:
         self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
         self.block_hashes: list[int] = []  # chain hashes of the full blocks, in order
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
 
     def __len__(self) -> int:
         return len(self.token_ids)

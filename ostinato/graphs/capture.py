@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -25,6 +26,7 @@ logger = logging.getLogger("ostinato")
 ForwardFn = Callable[[BatchDescriptor], torch.Tensor]
 Prepare = Callable[[BatchDescriptor], None]
 Buffers = Callable[[], Mapping[str, torch.Tensor]]
+T = TypeVar("T")
 
 
 @contextmanager
@@ -42,9 +44,10 @@ def frozen_gc() -> Iterator[None]:
 class GraphRunner:
     """Owns every CUDA graph of one engine. The runner calls, in order:
 
-    dispatch(num_tokens, num_reqs, uniform_query_len) -> (mode, desc) for every step;
+    dispatch(num_tokens, num_reqs, uniform_query_len) -> (mode, desc) for every step, on the
+    driver only (every rank then runs the driver's decision);
     capture(forward_fn, prepare, buffers) once at start-up, after the KV cache exists;
-    replay(mode, desc) for steps whose mode is not NONE, after copying the batch into the
+    run(mode, desc, num_tokens, eager) for every step, after copying the batch into the
     persistent buffers and inside the step's forward context (breaks read it);
     report() for graph_report().
     """
@@ -74,17 +77,24 @@ class GraphRunner:
     def dispatch(
         self, num_tokens: int, num_reqs: int, uniform_query_len: int | None
     ) -> tuple[CudaGraphMode, BatchDescriptor]:
-        """The runtime mode and padded key of one step (counted for the report)."""
-        mode, desc = self.dispatcher.dispatch(num_tokens, num_reqs, uniform_query_len)
-        self.steps[mode] += 1
-        self.padded_tokens += desc.num_tokens - num_tokens
-        return mode, desc
+        """The runtime mode and padded key of one step."""
+        return self.dispatcher.dispatch(num_tokens, num_reqs, uniform_query_len)
 
-    def replay(self, mode: CudaGraphMode, desc: BatchDescriptor) -> torch.Tensor:
-        """Replay the graph of desc; returns its captured output (valid until its next replay)."""
+    def run(
+        self, mode: CudaGraphMode, desc: BatchDescriptor, num_tokens: int, eager: Callable[[], T]
+    ) -> T:
+        """Replay the graph of desc, or call eager() for NONE and for a key this process did
+        not capture (another rank may have: the collectives inside are the same either way).
+        A replay returns the captured output, valid until the graph's next replay."""
+        graph = self.graphs[mode].get(desc) if mode is not CudaGraphMode.NONE else None
+        ran = mode if graph is not None else CudaGraphMode.NONE
+        self.steps[ran] += 1
+        self.padded_tokens += desc.num_tokens - num_tokens
+        if graph is None:
+            return eager()
         if self._buffers is not None:
             self._check_addresses()
-        return self.graphs[mode][desc].replay()
+        return graph.replay()
 
     def capture(
         self,

@@ -6,10 +6,10 @@ it fills the pinned host mirror and copies the live batch in.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ostinato.context import AttentionMetadata
+from ostinato.runner.step import StepInput
 
 _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_blocks))
     "input_ids": (torch.int64, lambda t, r, b: (t,)),
@@ -38,40 +38,34 @@ class InputBuffers:
         # that samples nothing never waits on the device, so the next step must before writing.
         self.copied = torch.cuda.Event() if pin else None
 
-    def host_for_writing(self) -> dict[str, np.ndarray]:
-        """The host mirror as numpy arrays, once the last step's copies out of it are done."""
-        if self.copied is not None:
+    def load(self, step: StepInput) -> None:
+        """Write step into the host mirror, pad it to the step's graph sizes, and copy it to
+        the device buffers. Padded tokens store their KV nowhere (slot -1); padded requests
+        have no tokens and no KV."""
+        if self.copied is not None:  # the last step's copies out of the mirror are done
             self.copied.synchronize()
-        return self.host_np
-
-    def write(
-        self,
-        num_tokens: int,
-        num_reqs: int,
-        num_padded_tokens: int,
-        num_padded_reqs: int,
-        block_table_width: int,
-    ) -> None:
-        """Pad the host mirror past the live batch, then copy it to the device buffers.
-
-        Padded tokens store their KV nowhere (slot -1); padded requests have no tokens.
-        """
         h = self.host_np
-        h["input_ids"][num_tokens:num_padded_tokens] = 0
-        h["positions"][num_tokens:num_padded_tokens] = 0
-        h["slot_mapping"][num_tokens:num_padded_tokens] = -1
-        h["query_start_loc"][num_reqs + 1 : num_padded_reqs + 1] = num_tokens
-        h["seq_lens"][num_reqs:num_padded_reqs] = 0
+        n, r = step.num_tokens, step.num_reqs
+        num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
+        width = step.block_table.shape[1]
+        for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            h[name][:n] = getattr(step, name)
+            h[name][n:num_tokens] = pad
+        h["query_start_loc"][: r + 1] = step.query_start_loc
+        h["query_start_loc"][r + 1 : num_reqs + 1] = n
+        h["seq_lens"][:r] = step.seq_lens
+        h["seq_lens"][r:num_reqs] = 0
+        h["block_table"][:r, :width] = step.block_table
+        h["logits_indices"][: len(step.logits_indices)] = step.logits_indices
         d, host = self.device, self.host
         for name in ("input_ids", "positions", "slot_mapping"):
-            d[name][:num_padded_tokens].copy_(host[name][:num_padded_tokens], True)
+            d[name][:num_tokens].copy_(host[name][:num_tokens], True)
         for name in ("seq_lens", "logits_indices"):
-            d[name][:num_padded_reqs].copy_(host[name][:num_padded_reqs], True)
-        qsl = host["query_start_loc"][: num_padded_reqs + 1]
-        d["query_start_loc"][: num_padded_reqs + 1].copy_(qsl, True)
-        width = block_table_width
-        bt = host["block_table"][:num_padded_reqs, :width]
-        d["block_table"][:num_padded_reqs, :width].copy_(bt, True)
+            d[name][:num_reqs].copy_(host[name][:num_reqs], True)
+        qsl = host["query_start_loc"][: num_reqs + 1]
+        d["query_start_loc"][: num_reqs + 1].copy_(qsl, True)
+        bt = host["block_table"][:num_reqs, :width]
+        d["block_table"][:num_reqs, :width].copy_(bt, True)
         if self.copied is not None:
             self.copied.record()
 

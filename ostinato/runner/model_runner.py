@@ -1,30 +1,63 @@
-"""Runs scheduled batches through the model: inputs into persistent buffers, forward, sample."""
+"""Runs one rank's part of each step: step into persistent buffers, forward, hand on or sample.
+
+Every rank holds a ModelRunner for its pipeline stage and tensor slice. The driver (rank 0)
+also turns scheduled batches into StepInputs; every rank then runs the same StepInput: the
+first stage embeds, later stages receive the previous stage's intermediates into persistent
+buffers, the last stage computes logits and its first tensor rank samples.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
-import numpy as np
 import torch
 
 from ostinato.attention import get_attention_backend
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
+from ostinato.distributed.parallel import Rank, stage_layers, tp_group
 from ostinato.engine.scheduler import ScheduledBatch
-from ostinato.engine.sequence import Sequence
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
 from ostinato.loader import load_model
+from ostinato.models.base import IntermediateTensors
+from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
 from ostinato.runner.sampler import Sampler, SamplerOutput
+from ostinato.runner.step import StepInput, build_step, dummy_step
 
 logger = logging.getLogger("ostinato")
 
+StageOutput = torch.Tensor | IntermediateTensors
+
+
+class StageLink(Protocol):
+    """How a pipeline stage exchanges intermediates with its neighbours."""
+
+    def recv(self, into: IntermediateTensors) -> None: ...
+
+    def send(self, out: IntermediateTensors) -> None: ...
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """Each tensor rank holds its share of the KV heads, or one replicated head when there are
+    fewer heads than ranks."""
+    return max(1, num_kv_heads // tp_size)
+
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, hf_config) -> None:
-        self.config = config
-        self.hf_config = hf_config
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        rank: Rank | None = None,
+        link: StageLink | None = None,
+    ) -> None:
+        """Loads this rank's stage and measures how many KV blocks fit (num_blocks). The
+        KV cache and graphs come in start(), once every rank agreed on the block count."""
+        self.config, self.hf_config = config, hf_config
+        self.rank, self.link = rank or Rank(), link
         self.device = torch.device(config.device)
         if config.is_cuda:
             if self.device.index is None:
@@ -32,21 +65,34 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         allocated_before = torch.cuda.memory_allocated() if config.is_cuda else 0
-        self.model = load_model(config, hf_config)
+        layers = stage_layers(
+            hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition
+        )[self.rank.pp_rank]
+        self.model = load_model(config, hf_config, (layers.start, layers.stop))
         self.backend = get_attention_backend(config.attention_backend)()
         self.block_size = config.block_size
         self.max_blocks = config.max_blocks_per_seq
-        self.buffers = InputBuffers(
-            config.max_num_batched_tokens, config.max_num_seqs, self.max_blocks, self.device
-        )
+        max_tokens = config.max_num_batched_tokens
+        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks, self.device)
+        self.intermediate = None
+        if not self.rank.is_first_stage:  # received into here; graphs captured these addresses
+            hidden = torch.zeros(max_tokens, hf_config.hidden_size, dtype=config.torch_dtype)
+            self.intermediate = IntermediateTensors(
+                hidden.to(self.device), torch.zeros_like(hidden, device=self.device)
+            )
         self.static_bytes = (
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
         self.sampler = Sampler()
         self.graphs = GraphRunner(config)
-        self.num_blocks = self._count_kv_blocks()
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.kv_caches: list = []
         self.num_graph_checks = 0
+        self.num_blocks = self._count_kv_blocks()
+
+    def start(self, num_blocks: int | None = None) -> None:
+        """Allocate the KV cache (num_blocks: the count every rank agreed on) and capture."""
+        self.num_blocks = num_blocks or self.num_blocks
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         if self.graphs.mode is not CudaGraphMode.NONE:
             self.graphs.capture(
                 self._forward_desc, self._fill_dummy_desc, lambda: self.buffers.device
@@ -55,10 +101,12 @@ class ModelRunner:
     # ---- KV cache sizing -------------------------------------------------------------
     @property
     def kv_block_bytes(self) -> int:
+        """Bytes of one block across this rank's layers and KV heads."""
         c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        per_layer = 2 * self.block_size * c.num_key_value_heads * head_dim
-        return per_layer * c.num_hidden_layers * self.config.torch_dtype.itemsize
+        kv_heads = kv_heads_per_rank(c.num_key_value_heads, self.rank.tp_size)
+        start, end = self.model.layer_range
+        per_layer = 2 * self.block_size * kv_heads * head_dim(c)
+        return per_layer * (end - start) * self.config.torch_dtype.itemsize
 
     def _count_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -76,10 +124,10 @@ class ModelRunner:
         """
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        scratch = self._allocate_kv_cache(1)
-        self._run_dummy(self.config.max_num_batched_tokens, scratch)
+        self.kv_caches = self._allocate_kv_cache(1)
+        self._run_dummy(self.config.max_num_batched_tokens)
         torch.cuda.synchronize()
-        del scratch
+        self.kv_caches = []
         activation = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -117,9 +165,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         c = self.hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = kv_heads_per_rank(c.num_key_value_heads, self.rank.tp_size)
         start, end = self.model.layer_range
-        shape = (end - start, 2, num_blocks, self.block_size, c.num_key_value_heads, head_dim)
+        shape = (end - start, 2, num_blocks, self.block_size, kv_heads, head_dim(c))
         cache = torch.zeros(shape, dtype=self.config.torch_dtype, device=self.device)
         caches: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * c.num_hidden_layers
         for i in range(start, end):
@@ -127,42 +175,60 @@ class ModelRunner:
         return caches
 
     # ---- one step ------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SamplerOutput] | None:
-        """Run batch; sample for the requests whose query reached their last token."""
-        num_tokens, num_reqs = batch.num_tokens, len(batch.seqs)
-        mode, desc = self.graphs.dispatch(num_tokens, num_reqs, batch.uniform_query_len)
-        padded_reqs = desc.num_reqs if mode is CudaGraphMode.FULL else num_reqs
-        sample_seqs = self._prepare(batch, padded_reqs, desc.num_tokens)
-        if mode is CudaGraphMode.NONE:
-            out = self._forward(num_tokens, num_reqs)
-        else:
-            ctx = ForwardContext(
-                self.buffers.metadata(desc.num_tokens, padded_reqs), self.kv_caches, self.backend
+    def build_step(self, batch: ScheduledBatch, finished: tuple[str, ...] = ()) -> StepInput:
+        """The driver's half: the batch as arrays, with its graph decision."""
+        return build_step(batch, self.block_size, self.graphs.dispatch, finished)
+
+    def run(self, step: StepInput) -> SamplerOutput | None:
+        """Every rank's half. Returns the sampled tokens on the sampling rank (the last stage's
+        first tensor rank) when some request reached its last token; None elsewhere."""
+        self.buffers.load(step)
+        num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
+        if self.intermediate is not None:
+            self.link.recv(self._intermediate(num_tokens))
+        ctx = ForwardContext(
+            self.buffers.metadata(num_tokens, num_reqs), self.kv_caches, self.backend
+        )
+        with forward_context(ctx):  # PIECEWISE breaks read the live batch from it
+            out = self.graphs.run(
+                step.mode, step.desc, step.num_tokens, lambda: self._model_forward(num_tokens)
             )
-            with forward_context(ctx):  # PIECEWISE breaks read the live batch from it
-                out = self.graphs.replay(mode, desc)
-        if not sample_seqs:
+            if step.mode is not CudaGraphMode.NONE and self._due_for_check():
+                self._check_graph(step, out)
+        if not self.rank.is_last_stage:
+            self.link.send(_rows(out, num_tokens))
             return None
-        logits = self._logits(out, len(sample_seqs))
-        if mode is not CudaGraphMode.NONE and self._due_for_check():
-            self._check_graph(mode, desc, padded_reqs, logits)
-        return sample_seqs, self.sampler(logits, sample_seqs)
+        self.sampler.forget(step.finished)
+        if not step.sampling:
+            return None
+        logits = self._logits(out, len(step.sampling))
+        if tp_group().rank != 0:
+            return None
+        return self.sampler(logits, step.sampling)
 
     def _logits(self, hidden: torch.Tensor, num_sampled: int) -> torch.Tensor:
         return self.model.compute_logits(
             hidden[self.buffers.device["logits_indices"][:num_sampled]]
         )
 
-    def _forward(self, num_tokens: int, num_reqs: int) -> torch.Tensor:
+    def _intermediate(self, num_tokens: int) -> IntermediateTensors:
+        return _rows(self.intermediate, num_tokens)
+
+    def _model_forward(self, num_tokens: int) -> StageOutput:
+        """The model over the first num_tokens of the buffers, in the current forward context."""
+        d = self.buffers.device
+        intermediate = self._intermediate(num_tokens) if self.intermediate is not None else None
+        return self.model(d["input_ids"][:num_tokens], d["positions"][:num_tokens], intermediate)
+
+    def _forward(self, num_tokens: int, num_reqs: int) -> StageOutput:
         ctx = ForwardContext(
             self.buffers.metadata(num_tokens, num_reqs), self.kv_caches, self.backend
         )
-        d = self.buffers.device
         with forward_context(ctx):
-            return self.model(d["input_ids"][:num_tokens], d["positions"][:num_tokens])
+            return self._model_forward(num_tokens)
 
     # ---- graphs --------------------------------------------------------------------------
-    def _forward_desc(self, desc: BatchDescriptor) -> torch.Tensor:
+    def _forward_desc(self, desc: BatchDescriptor) -> StageOutput:
         """The forward a graph captures: PIECEWISE keys carry no request count, and their
         breaks read the live one at replay, so any count serves the warm-up and capture.
         The LM head stays outside: each graph keeps its output, and [num_reqs, vocab] logits
@@ -170,80 +236,55 @@ class ModelRunner:
         return self._forward(desc.num_tokens, desc.num_reqs or 1)
 
     def _fill_dummy_desc(self, desc: BatchDescriptor) -> None:
-        self._fill_dummy(desc.num_tokens, desc.num_reqs or 1)
+        self.buffers.load(self._dummy(desc.num_tokens, desc.num_reqs or 1))
+
+    def _dummy(self, num_tokens: int, num_reqs: int) -> StepInput:
+        return dummy_step(num_tokens, num_reqs, self.config.max_model_len, self.block_size)
 
     def _due_for_check(self) -> bool:
+        """Every graphed step counts, on every rank alike: the eager re-run of a tensor-parallel
+        stage has collectives, so all its ranks must make it together."""
         every = self.config.check_graphs
         self.num_graph_checks += 1
         return every > 0 and self.num_graph_checks % every == 0
 
-    def _check_graph(self, mode, desc, num_reqs: int, logits: torch.Tensor) -> None:
-        """Re-run the step eagerly on the same buffers and compare logits (check_graphs)."""
-        eager = self._logits(self._forward(desc.num_tokens, num_reqs), logits.shape[0]).float()
-        diff = (eager - logits.float()).abs().max().item()
-        tolerance = 1e-2 * eager.abs().max().item() + 1e-3
-        if not diff <= tolerance:
-            raise RuntimeError(
-                f"CUDA graph check failed for {mode.value} {desc}: logits differ from eager "
-                f"by up to {diff:.4g} (tolerance {tolerance:.4g})"
-            )
+    def _check_graph(self, step: StepInput, out: StageOutput) -> None:
+        """Re-run the step eagerly on the same buffers and compare this stage's output for the
+        live tokens (check_graphs)."""
+        eager = self._model_forward(step.padded_tokens)
+        for name, got, want in _named_tensors(out, eager):
+            got, want = got[: step.num_tokens].float(), want[: step.num_tokens].float()
+            diff = (want - got).abs().max().item()
+            tolerance = 1e-2 * want.abs().max().item() + 1e-3
+            if not diff <= tolerance:
+                raise RuntimeError(
+                    f"CUDA graph check failed for {step.mode.value} {step.desc}: {name} of "
+                    f"stage {self.rank.pp_rank} differs from eager by up to {diff:.4g} "
+                    f"(tolerance {tolerance:.4g})"
+                )
 
     def graph_report(self) -> dict:
         return self.graphs.report()
 
-    def _prepare(
-        self, batch: ScheduledBatch, num_padded_reqs: int, num_padded_tokens: int
-    ) -> list[Sequence]:
-        """Write batch into the host mirror (vectorised over tokens), then copy it over."""
-        h, seqs, bs = self.buffers.host_for_writing(), batch.seqs, self.block_size
-        n, num_tokens = len(seqs), batch.num_tokens
-        starts = [s.num_computed_tokens for s in seqs]
-        ends = [a + q for a, q in zip(starts, batch.query_lens, strict=True)]
-        q = np.asarray(batch.query_lens)
-        qsl = h["query_start_loc"]
-        qsl[0] = 0
-        np.cumsum(q, out=qsl[1 : n + 1])
-        h["seq_lens"][:n] = ends
-        h["input_ids"][:num_tokens] = [
-            t for s, a, b in zip(seqs, starts, ends, strict=True) for t in s.token_ids[a:b]
-        ]
-        req_of_token = np.repeat(np.arange(n), q)
-        positions = np.arange(num_tokens) - (qsl[:n] - starts)[req_of_token]
-        h["positions"][:num_tokens] = positions
-        block_table = h["block_table"]
-        for i, seq in enumerate(seqs):
-            block_table[i, : len(seq.block_ids)] = seq.block_ids
-        width = max(len(s.block_ids) for s in seqs)
-        h["slot_mapping"][:num_tokens] = (
-            block_table[req_of_token, positions // bs] * bs + positions % bs
-        )
-        sampled = [
-            i for i, (seq, end) in enumerate(zip(seqs, ends, strict=True)) if end == len(seq)
-        ]
-        h["logits_indices"][: len(sampled)] = qsl[np.asarray(sampled, dtype=np.int64) + 1] - 1
-        self.buffers.write(num_tokens, n, num_padded_tokens, num_padded_reqs, width)
-        return [seqs[i] for i in sampled]
-
-    def _fill_dummy(self, num_tokens: int, num_reqs: int) -> None:
-        """Write a fake batch that stores nothing: num_reqs requests sharing num_tokens tokens."""
-        h = self.buffers.host_for_writing()
-        lens = np.full(num_reqs, num_tokens // num_reqs)
-        lens[: num_tokens % num_reqs] += 1
-        ends = np.cumsum(lens)
-        h["query_start_loc"][: num_reqs + 1] = np.concatenate(([0], ends))
-        h["seq_lens"][:num_reqs] = np.minimum(lens, self.config.max_model_len)
-        h["logits_indices"][:num_reqs] = ends - 1
-        h["block_table"][:num_reqs] = 0
-        h["input_ids"][:num_tokens] = 0
-        h["positions"][:num_tokens] = 0
-        h["slot_mapping"][:num_tokens] = -1
-        self.buffers.write(num_tokens, num_reqs, num_tokens, num_reqs, self.max_blocks)
-
-    def _run_dummy(self, num_tokens: int, kv_caches) -> None:
-        """Profile a peak step: forward, logits and softmax for a full batch of fake tokens."""
+    def _run_dummy(self, num_tokens: int) -> None:
+        """Profile a peak step: forward, and on the last stage logits and softmax for a full
+        batch of fake tokens."""
         num_reqs = min(self.config.max_num_seqs, num_tokens)
-        self._fill_dummy(num_tokens, num_reqs)
-        self.kv_caches = kv_caches
-        hidden = self._forward(num_tokens, num_reqs)
-        logits = self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_reqs]])
-        logits.float().softmax(dim=-1)
+        self.buffers.load(self._dummy(num_tokens, num_reqs))
+        out = self._forward(num_tokens, num_reqs)
+        if self.rank.is_last_stage:
+            self._logits(out, num_reqs).float().softmax(dim=-1)
+
+
+def _rows(x: StageOutput, n: int) -> StageOutput:
+    if isinstance(x, IntermediateTensors):
+        return IntermediateTensors(x.hidden_states[:n], x.residual[:n])
+    return x[:n]
+
+
+def _named_tensors(a: StageOutput, b: StageOutput):
+    if isinstance(a, IntermediateTensors):
+        yield "hidden states", a.hidden_states, b.hidden_states
+        yield "residual", a.residual, b.residual
+    else:
+        yield "hidden states", a, b

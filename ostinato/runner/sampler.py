@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ostinato.engine.sequence import Sequence
+from ostinato.runner.step import SamplingRow
 
 
 @dataclass
@@ -16,7 +16,17 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    """Owns the random state of seeded requests (one CPU generator each, kept across steps
+    until the request ends), so whichever process samples holds it."""
+
+    def __init__(self) -> None:
+        self.generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: tuple[str, ...]) -> None:
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
         """logits [n, vocab] for seqs, in order."""
         logits = logits.float()
         params = [s.params for s in seqs]
@@ -27,7 +37,14 @@ class Sampler:
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logits, token_list, seqs))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _generator(self, row: SamplingRow) -> torch.Generator | None:
+        if row.params.seed is None:
+            return None
+        if row.request_id not in self.generators:
+            self.generators[row.request_id] = torch.Generator().manual_seed(row.params.seed)
+        return self.generators[row.request_id]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         temps = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
         temps = torch.tensor(temps, device=device)
@@ -38,15 +55,16 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one noise draw per row.
         noise = torch.empty_like(probs).exponential_()
         for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                row = torch.empty(probs.shape[1]).exponential_(generator=seq.generator)
+            generator = self._generator(seq)
+            if generator is not None:
+                row = torch.empty(probs.shape[1]).exponential_(generator=generator)
                 noise[i] = row.to(device)
         sampled = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def _logprobs(
-        self, logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]
+        self, logits: torch.Tensor, tokens: list[int], seqs: list[SamplingRow]
     ) -> list[dict[int, float] | None]:
         wanted = [s.params.logprobs for s in seqs]
         if all(n is None for n in wanted):
@@ -66,7 +84,7 @@ class Sampler:
         return out
 
 
-def _top_k_top_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     device = logits.device
     vocab = logits.shape[1]

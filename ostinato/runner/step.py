@@ -1,0 +1,129 @@
+"""One step as every rank needs it: built on the driver from the scheduler's batch, host-side
+only and picklable, so pipeline and tensor-parallel workers run exactly what rank 0 decided."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+from ostinato.sampling_params import SamplingParams
+
+Dispatch = Callable[[int, int, int | None], tuple[CudaGraphMode, BatchDescriptor]]
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One request that samples this step: the row of logits it owns, in order."""
+
+    request_id: str
+    params: SamplingParams
+
+
+@dataclass
+class StepInput:
+    """The live batch (unpadded) plus the graph decision every rank follows.
+
+    Arrays: tokens [num_tokens], requests [num_reqs] (+1 for query_start_loc), block_table
+    [num_reqs, widest request's blocks], logits_indices [rows whose logits are computed: one
+    per sampling row].
+    """
+
+    mode: CudaGraphMode
+    desc: BatchDescriptor
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    logits_indices: np.ndarray
+    sampling: list[SamplingRow]
+    finished: tuple[str, ...] = ()  # requests that ended since the last step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.desc.num_tokens
+
+    @property
+    def padded_reqs(self) -> int:
+        """FULL graphs run a fixed request count (padded requests have no tokens)."""
+        return self.desc.num_reqs if self.mode is CudaGraphMode.FULL else self.num_reqs
+
+
+def build_step(
+    batch: ScheduledBatch, block_size: int, dispatch: Dispatch, finished: tuple[str, ...] = ()
+) -> StepInput:
+    """Token-level arrays of `batch`, vectorised over tokens, and its graph decision."""
+    seqs, n = batch.seqs, len(batch.seqs)
+    mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len)
+    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    q = np.asarray(batch.query_lens, dtype=np.int64)
+    ends = starts + q
+    query_start_loc = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(q, out=query_start_loc[1:])
+    input_ids = np.fromiter(
+        (t for s, a, b in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
+         for t in s.token_ids[a:b]),
+        np.int64,
+        batch.num_tokens,
+    )  # fmt: skip
+    req_of_token = np.repeat(np.arange(n), q)
+    positions = np.arange(batch.num_tokens) - (query_start_loc[:n] - starts)[req_of_token]
+    block_table = np.zeros((n, max(len(s.block_ids) for s in seqs)), dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        block_table[i, : len(seq.block_ids)] = seq.block_ids
+    slot_mapping = (
+        block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
+    sampled = [
+        i for i, (s, end) in enumerate(zip(seqs, ends.tolist(), strict=True)) if end == len(s)
+    ]
+    return StepInput(
+        mode=mode,
+        desc=desc,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=ends.astype(np.int32),
+        block_table=block_table,
+        logits_indices=query_start_loc[np.asarray(sampled, dtype=np.int64) + 1].astype(np.int64)
+        - 1,
+        sampling=[SamplingRow(seqs[i].request_id, seqs[i].params) for i in sampled],
+        finished=finished,
+    )
+
+
+def dummy_step(num_tokens: int, num_reqs: int, max_model_len: int, block_size: int) -> StepInput:
+    """A fake batch that stores nothing: num_reqs requests sharing num_tokens tokens, every
+    one reading block 0, for warm-up, capture and memory profiling. Its logits rows are every
+    request's last token."""
+    lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+    lens[: num_tokens % num_reqs] += 1
+    ends = np.cumsum(lens)
+    seq_lens = np.minimum(lens, max_model_len)
+    return StepInput(
+        mode=CudaGraphMode.NONE,
+        desc=BatchDescriptor(num_tokens, num_reqs, None),
+        input_ids=np.zeros(num_tokens, dtype=np.int64),
+        positions=np.zeros(num_tokens, dtype=np.int64),
+        slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
+        query_start_loc=np.concatenate(([0], ends)).astype(np.int32),
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=np.zeros((num_reqs, -(-int(seq_lens.max()) // block_size)), dtype=np.int32),
+        logits_indices=ends - 1,
+        sampling=[],
+    )

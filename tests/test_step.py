@@ -1,0 +1,77 @@
+"""StepInput: the host-side step every rank runs, built on the driver."""
+
+import pickle
+
+import torch
+
+from ostinato.engine.scheduler import ScheduledBatch
+from ostinato.engine.sequence import Sequence
+from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+from ostinato.runner.sampler import Sampler
+from ostinato.runner.step import SamplingRow, build_step, dummy_step
+from ostinato.sampling_params import SamplingParams
+
+BS = 4
+
+
+def seq(request_id: str, tokens: list[int], computed: int, blocks: list[int]) -> Sequence:
+    s = Sequence(request_id, tokens, SamplingParams())
+    s.num_computed_tokens, s.block_ids = computed, blocks
+    return s
+
+
+def eager(num_tokens, num_reqs, q):
+    return CudaGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, q)
+
+
+def test_build_step_lays_out_a_mixed_batch():
+    decode = seq("d", list(range(10, 16)), computed=5, blocks=[7, 3])  # 1 new token at pos 5
+    chunk = seq("c", list(range(20, 30)), computed=2, blocks=[4, 9, 1])  # 3 of 8 left
+    batch = ScheduledBatch([decode, chunk], [1, 3])
+    step = build_step(batch, BS, eager, finished=("gone",))
+    assert step.input_ids.tolist() == [15, 22, 23, 24]
+    assert step.positions.tolist() == [5, 2, 3, 4]
+    assert step.query_start_loc.tolist() == [0, 1, 4]
+    assert step.seq_lens.tolist() == [6, 5]
+    assert step.block_table.tolist() == [[7, 3, 0], [4, 9, 1]]
+    # slot = block_table[req, pos // BS] * BS + pos % BS
+    assert step.slot_mapping.tolist() == [3 * BS + 1, 4 * BS + 2, 4 * BS + 3, 9 * BS + 0]
+    # only the decode reached its last token: one logits row, at its token
+    assert step.logits_indices.tolist() == [0]
+    assert step.sampling == [SamplingRow("d", decode.params)]
+    assert step.finished == ("gone",)
+    assert (step.num_tokens, step.num_reqs, step.padded_tokens) == (4, 2, 4)
+
+
+def test_full_steps_pad_requests_and_survive_pickling():
+    seqs = [seq(f"r{i}", [1, 2, 3], computed=2, blocks=[i]) for i in range(3)]
+
+    def full(num_tokens, num_reqs, q):
+        return CudaGraphMode.FULL, BatchDescriptor(4, 4, 1)
+
+    step = pickle.loads(pickle.dumps(build_step(ScheduledBatch(seqs, [1, 1, 1]), BS, full)))
+    assert (step.mode, step.padded_tokens, step.padded_reqs) == (CudaGraphMode.FULL, 4, 4)
+    assert step.logits_indices.tolist() == [0, 1, 2]
+    assert [row.request_id for row in step.sampling] == ["r0", "r1", "r2"]
+
+
+def test_dummy_step_stores_nothing_and_reads_block_zero():
+    step = dummy_step(num_tokens=10, num_reqs=3, max_model_len=8, block_size=BS)
+    assert step.query_start_loc.tolist() == [0, 4, 7, 10]
+    assert (step.slot_mapping == -1).all() and not step.block_table.any()
+    assert step.block_table.shape == (3, 1) and step.logits_indices.tolist() == [3, 6, 9]
+    assert not step.sampling
+
+
+def test_sampler_keeps_a_seeded_requests_state_until_it_is_forgotten():
+    logits = torch.randn(1, 50)
+    params = SamplingParams(temperature=1.0, seed=5)
+    row = SamplingRow("a", params)
+    sampler = Sampler()
+    first = [sampler(logits, [row]).token_ids[0] for _ in range(8)]
+    again = Sampler()
+    assert [again(logits, [row]).token_ids[0] for _ in range(8)] == first
+    sampler.forget(("a",))
+    assert "a" not in sampler.generators
+    assert [sampler(logits, [row]).token_ids[0] for _ in range(8)] == first
+    assert len(set(first)) > 1  # the state advanced between steps
