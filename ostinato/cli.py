@@ -25,6 +25,9 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--cuda-graph-mode", str, f"one of {CUDA_GRAPH_MODES}"),
     ("--max-capture-size", int, "largest PIECEWISE graph, in tokens"),
     ("--check-graphs", int, "re-run every N-th graphed step eagerly and compare (0: off)"),
+    ("--pipeline-parallel-size", int, "pipeline stages, one process (GPU) each"),
+    ("--tensor-parallel-size", int, "processes (GPUs) splitting each stage's layers"),
+    ("--distributed-timeout", float, "seconds one collective may take before it fails"),
 ]
 ENGINE_SWITCHES: list[tuple[str, str]] = [
     ("--enforce-eager", "never use CUDA graphs"),
@@ -46,6 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--capture-sizes", type=_int_list, default=None, help="comma-separated graph sizes"
     )
+    group.add_argument(
+        "--pp-layer-partition",
+        type=_int_list,
+        default=None,
+        help="layers per pipeline stage, comma-separated (default: an even split)",
+    )
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,6 +74,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         debug_graph_addresses=args.debug_graph_addresses,
         capture_sizes=args.capture_sizes,
+        pp_layer_partition=args.pp_layer_partition,
     )
     kwargs.update(overrides)
     return EngineConfig(**kwargs)
@@ -93,8 +103,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_explain(args: argparse.Namespace) -> int:
     from ostinato.graphs.explain import explain
+    from ostinato.loader import load_hf_config
 
-    report = explain(engine_config(args))
+    config = engine_config(args)
+    hf_config = load_hf_config(config.model)
+    report = explain(config.for_model(hf_config), hf_config)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -102,6 +115,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if key == "decisions":
             for d in value:
                 print(f"decision {d['rule']}: {d['reason']}")
+        elif key == "stages":
+            for stage in value:
+                print("stage " + ", ".join(f"{k}={v}" for k, v in stage.items() if k != "stage"))
         else:
             print(f"{key}: {value}")
     return 0

@@ -5,18 +5,41 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ostinato.config import EngineConfig
+from ostinato.distributed.parallel import stage_layers
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.plan import CapturePlan
 
 
-def explain(config: EngineConfig) -> dict:
+def explain(config: EngineConfig, hf_config=None) -> dict:
     """The resolved mode, every rule that fired, the sizes that would be captured, and the
-    config. Queries no device, so `device='cuda'` can be checked on a machine without one."""
+    config; with the model's hf_config, each pipeline stage's share too (every stage captures
+    the same sizes). Queries no device, so `device='cuda'` can be checked on a machine
+    without one."""
     plan = CapturePlan.from_config(config)
     resolution = resolve(config, plan)
-    return {
+    report = {
         **resolution.as_dict(),
         "capture_sizes": Dispatcher(resolution.resolved, plan).capture_sizes(),
         "config": asdict(config),
     }
+    if hf_config is not None:
+        report["stages"] = stages(config, hf_config)
+    return report
+
+
+def stages(config: EngineConfig, hf_config) -> list[dict]:
+    """Per pipeline stage: its ranks (one per tensor slice), its layers, and whether it holds
+    the embedding or the final norm, LM head and sampler."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    layers = stage_layers(hf_config.num_hidden_layers, pp, config.pp_layer_partition)
+    return [
+        {
+            "stage": s,
+            "ranks": list(range(s * tp, (s + 1) * tp)),
+            "layers": [r.start, r.stop],
+            "embedding": s == 0,
+            "lm_head_and_sampler": s == pp - 1,
+        }
+        for s, r in enumerate(layers)
+    ]

@@ -1,0 +1,187 @@
+"""The model executor for tensor and pipeline parallelism: this process is rank 0 (the driver
+and the first stage's first tensor rank); the other ranks are spawned workers on this node, or
+torchrun's processes on several nodes.
+
+A step goes to every worker as a control message, rank 0 runs its own part, and the last
+stage's first tensor rank sends the sampled tokens back. Up to pipeline_parallel_size steps
+are in flight; their results come back in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from collections import deque
+
+import torch.distributed as dist
+
+from ostinato.config import EngineConfig
+from ostinato.distributed.launcher import Workers, check_launch, free_port, launched_by_torchrun
+from ostinato.distributed.worker import (
+    Report,
+    ReportRequest,
+    Shutdown,
+    StepResult,
+    stage_report,
+    start_rank,
+    worker_main,
+)
+from ostinato.distributed.world import Rendezvous, World, leave
+from ostinato.runner.executor import Deferred
+from ostinato.runner.sampler import SamplerOutput
+from ostinato.runner.step import StepInput
+
+logger = logging.getLogger("ostinato")
+
+
+class WorkerError(RuntimeError):
+    """A worker died or raised: the engine has stopped."""
+
+
+class RemoteStep:
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor = executor
+        self._done = False
+        self._output: SamplerOutput | None = None
+
+    def resolve(self, output: SamplerOutput | None) -> None:
+        self._output, self._done = output, True
+
+    def result(self) -> SamplerOutput | None:
+        while not self._done:
+            self._executor.receive()
+        return self._output
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, hf_config) -> None:
+        check_launch(config)
+        if dist.is_initialized():
+            raise ValueError(
+                "this process already drives a multi-process engine (or joined another process "
+                "group): one multi-process engine at a time; shut the other down first "
+                "(LLMEngine.shutdown())"
+            )
+        self.max_in_flight = config.pipeline_parallel_size
+        self.workers: Workers | None = None
+        self.failed: str | None = None
+        self._unresolved: deque[RemoteStep] = deque()
+        self._reports: dict[int, dict] = {}
+        meet = None
+        if launched_by_torchrun():
+            rank = int(os.environ["RANK"])
+            if rank != 0:  # this process is a worker: serve rank 0, then end with it
+                worker_main(rank, config, None, parent=0)
+                sys.exit(0)
+        else:
+            meet = Rendezvous("127.0.0.1", free_port())
+            self.workers = Workers(config, meet)
+        self._closer = weakref.finalize(self, _close, None, self.workers)
+        try:
+            wait = self.workers.wait_until_joined if self.workers else None
+            self.world, self.runner = start_rank(config, hf_config, 0, meet, _timed(wait, config))
+        except BaseException as e:
+            error = self._error(e)  # before closing: the watchdog stops watching then
+            self._closer()
+            raise error from e
+        self._closer.detach()
+        self._closer = weakref.finalize(self, _close, self.world, self.workers)
+        if self.workers is not None:
+            self.workers.on_death = self.world.abort
+        self.num_blocks = self.runner.num_blocks
+
+    @property
+    def ranks(self) -> range:
+        return range(1, self.world.rank.world_size)
+
+    def submit(self, step: StepInput) -> RemoteStep | Deferred:
+        self._check_alive()
+        try:
+            for rank in self.ranks:
+                self.world.channel.send(step, rank)
+            output = self.runner.run(step)
+        except BaseException as e:
+            raise self._fail(e) from e
+        if self.world.sampling_rank == 0:
+            return Deferred(lambda: output)
+        pending = RemoteStep(self)
+        self._unresolved.append(pending)
+        return pending
+
+    def receive(self) -> None:
+        """Take the sampling rank's next message: a step's result or a report."""
+        self._check_alive()
+        try:
+            msg = self.world.channel.recv(self.world.sampling_rank)
+        except BaseException as e:
+            raise self._fail(e) from e
+        if isinstance(msg, StepResult):
+            self._unresolved.popleft().resolve(msg.output)
+        elif isinstance(msg, Report):
+            self._reports[msg.rank] = msg.report
+        else:
+            raise self._fail(TypeError(f"unexpected message {type(msg).__name__}"))
+
+    def graph_report(self) -> dict:
+        """Rank 0's report, with every rank's under "stages"."""
+        self._check_alive()
+        for rank in self.ranks:
+            self.world.channel.send(ReportRequest(), rank)
+        for rank in self.ranks:
+            try:
+                while rank not in self._reports:
+                    if rank == self.world.sampling_rank:
+                        self.receive()
+                    else:
+                        self._reports[rank] = self.world.channel.recv(rank).report
+            except BaseException as e:
+                raise self._fail(e) from e
+        own = self.runner.graph_report()
+        stages = [{**stage_report(self.world, self.runner), **own}]
+        stages += [self._reports.pop(rank) for rank in self.ranks]
+        return {**own, "stages": stages}
+
+    def shutdown(self) -> None:
+        self._closer()
+
+    # ---- failures ------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.failed is not None:
+            raise WorkerError(f"{self.failed}; the engine has stopped: start a new one")
+
+    def _fail(self, e: BaseException) -> BaseException:
+        """Any failure mid-step leaves the ranks out of step with each other, so the engine
+        stops: the workers are stopped and every later call raises."""
+        error = self._error(e)
+        self.failed = str(error) or type(error).__name__
+        self._closer()
+        return error
+
+    def _error(self, e: BaseException) -> BaseException:
+        cause = self.workers.settle() if self.workers is not None else None
+        if cause is None and isinstance(e, RuntimeError) and "by peer" in str(e):
+            cause = f"a worker disconnected ({e})"
+        return WorkerError(cause) if cause else e
+
+
+def _timed(wait, config: EngineConfig):
+    if wait is None:
+        return None
+    return lambda store: wait(store, config.distributed_timeout)
+
+
+def _close(world: World | None, workers: Workers | None) -> None:
+    """Stop the workers (asking first, killing what is left) and leave the group. Runs once:
+    at shutdown(), on failure, or when the executor is collected or the interpreter exits."""
+    if world is not None and (workers is None or workers.cause is None):
+        try:
+            for rank in range(1, world.rank.world_size):
+                world.channel.send(Shutdown(), rank)
+            world.channel.flush()
+        except RuntimeError as e:  # a worker is already gone; the rest are killed below
+            logger.debug("shutdown message not delivered: %s", e)
+    if workers is not None:
+        workers.stop()
+    leave()

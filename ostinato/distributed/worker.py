@@ -1,0 +1,121 @@
+"""A rank of the engine other than the driver: it runs every step rank 0 sends, until told to
+stop. Rank 0 goes through the same start-up (`start_rank`) in lockstep with the workers."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch.distributed import Store
+
+from ostinato.config import EngineConfig
+from ostinato.distributed.pipeline import PipelineLink
+from ostinato.distributed.world import Rendezvous, World, current_store, join, leave
+from ostinato.runner.model_runner import ModelRunner
+from ostinato.runner.sampler import SamplerOutput
+from ostinato.runner.step import StepInput
+
+logger = logging.getLogger("ostinato")
+ERROR_KEY = "ostinato/error/{rank}"  # a failing worker leaves its traceback here
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class ReportRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class StepResult:
+    output: SamplerOutput | None
+
+
+@dataclass(frozen=True)
+class Report:
+    rank: int
+    report: dict
+
+
+def start_rank(
+    config: EngineConfig,
+    hf_config,
+    rank: int,
+    meet: Rendezvous | None,
+    wait_for_peers: Callable[[Store], None] | None = None,
+) -> tuple[World, ModelRunner]:
+    """Join the group, load this rank's stage, agree on the KV block count, capture graphs."""
+    world = join(config, rank, meet, wait_for_peers)
+    runner = ModelRunner(world.config, hf_config, world.rank, PipelineLink(world.rank))
+    runner.start(world.agree_on_min(runner.num_blocks))
+    return world, runner
+
+
+def stage_report(world: World, runner: ModelRunner) -> dict:
+    start, end = runner.model.layer_range
+    r = world.rank
+    return {"rank": r.rank, "pp_rank": r.pp_rank, "tp_rank": r.tp_rank, "layers": [start, end]}
+
+
+def serve(world: World, runner: ModelRunner) -> None:
+    """Run rank 0's messages in order until Shutdown."""
+    me, channel = world.rank.rank, world.channel
+    while True:
+        msg = channel.recv(0)
+        if isinstance(msg, StepInput):
+            output = runner.run(msg)
+            if me == world.sampling_rank:
+                channel.send(StepResult(output), 0)
+        elif isinstance(msg, ReportRequest):
+            channel.send(Report(me, {**stage_report(world, runner), **runner.graph_report()}), 0)
+        elif isinstance(msg, Shutdown):
+            channel.flush()
+            return
+        else:
+            raise TypeError(f"unexpected message {type(msg).__name__} from rank 0")
+
+
+def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent: int) -> None:
+    """A spawned worker's entry point (also a torchrun rank's, with meet None, parent 0)."""
+    if parent:
+        _die_with(parent)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us; Ctrl-C is its
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s: %(message)s")
+    from ostinato.loader import load_hf_config
+
+    try:
+        world, runner = start_rank(config, load_hf_config(config.model), rank, meet)
+        serve(world, runner)
+    except BaseException:
+        _leave_error(rank, traceback.format_exc())
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # tearing down groups whose peers wait on us could hang: just go
+    leave()
+
+
+def _leave_error(rank: int, text: str) -> None:
+    """Tell the driver why this rank is about to exit (read by its watchdog)."""
+    store = current_store()
+    if store is None:
+        return
+    with contextlib.suppress(RuntimeError):  # else the store went with the driver
+        store.set(ERROR_KEY.format(rank=rank), text)
+
+
+def _die_with(parent: int) -> None:
+    """Ask Linux to kill this process when the driver dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the driver died before prctl took effect
+        os._exit(1)
