@@ -12,6 +12,8 @@ import torch
 
 from ostinato.config import EngineConfig
 from ostinato.engine.engine import LLMEngine
+from ostinato.models.llama import head_dim
+from ostinato.models.registry import get_model_class
 from ostinato.sampling_params import SamplingParams
 
 
@@ -59,8 +61,13 @@ def run_bench(args: argparse.Namespace) -> int:
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
     for mode in modes:
         config = engine_config(args, cuda_graph_mode=mode)
-        for result in BENCHES[args.bench](config, args, bandwidth):
-            _emit({"bench": args.bench, "model": config.model, **result}, args.json)
+        engine, build_s = _build(config)
+        try:
+            for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
+                _emit({"bench": args.bench, "model": config.model, **result}, args.json)
+        finally:
+            engine.shutdown()  # worker processes, before the next mode starts its own
+        del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -121,8 +128,8 @@ def _timed_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     return ttft, (end - first_done) / max(decode_steps, 1)
 
 
-def bench_latency(config: EngineConfig, args, bandwidth: float | None) -> list[dict]:
-    engine, _ = _build(config)
+def bench_latency(engine: LLMEngine, build_s: float, args, bandwidth: float | None) -> list[dict]:
+    config = engine.config
     results = []
     for batch in args.batch_size:
         # Seeds unique per (batch size, run): no run's prompts prefix another's.
@@ -157,8 +164,9 @@ def bench_latency(config: EngineConfig, args, bandwidth: float | None) -> list[d
     return results
 
 
-def bench_throughput(config: EngineConfig, args, bandwidth: float | None) -> list[dict]:
-    engine, _ = _build(config)
+def bench_throughput(
+    engine: LLMEngine, build_s: float, args, bandwidth: float | None
+) -> list[dict]:
     _timed_run(engine, _prompts(engine, 2, args.input_len), 4)
     prompts = _prompts(engine, args.batch_size, args.input_len, seed=1)
     _sync(engine)
@@ -177,8 +185,7 @@ def bench_throughput(config: EngineConfig, args, bandwidth: float | None) -> lis
     ]
 
 
-def bench_startup(config: EngineConfig, args, bandwidth: float | None) -> list[dict]:
-    engine, build_s = _build(config)
+def bench_startup(engine: LLMEngine, build_s: float, args, bandwidth: float | None) -> list[dict]:
     report = engine.graph_report()
     capture_s = report["capture_seconds"]
     return [
@@ -198,9 +205,13 @@ BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "startup": 
 
 
 def decode_floor_bytes(engine: LLMEngine, batch: int, context: int) -> int:
-    """Bytes one decode step must read: every weight once, plus the KV of every request."""
-    weights = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    kv_per_token = engine.runner.kv_block_bytes // engine.config.block_size
+    """Bytes one decode step must read: every weight once, plus the KV of every request,
+    over the whole model (every pipeline stage and tensor slice together)."""
+    c, itemsize = engine.hf_config, engine.config.torch_dtype.itemsize
+    with torch.device("meta"):  # shapes only
+        model = get_model_class(c)(c)
+    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim(c) * itemsize
     return weights + batch * context * kv_per_token
 
 

@@ -48,3 +48,24 @@ def run_ostinato(
     llm = LLM(str(path), max_num_batched_tokens=32, max_num_seqs=4, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     return llm, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+MODES = ["none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
+
+
+def mixed_workload(llm: LLM, vocab: int = 300) -> list[list[int]]:
+    """Long prompts (chunked), short ones, and decode batches of sizes that need padding."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [300, 3, 40, 7, 1, 129, 11, 5, 77, 2, 19]
+    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def engine(checkpoint, mode: str, **kw) -> LLM:
+    kw = {"dtype": "float32", "max_num_batched_tokens": 128, "max_num_seqs": 16, **kw}
+    kw.setdefault("gpu_memory_utilization", 0.25)
+    return LLM(str(checkpoint), cuda_graph_mode=mode, max_capture_size=128, **kw)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from ostinato.config import EngineConfig
-from ostinato.engine.async_engine import AsyncEngine, EngineOverloadedError
+from ostinato.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 from ostinato.server.app import build_app
@@ -40,6 +40,11 @@ class FakeEngine:
         self.tokenizer = ByteTokenizer()
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.fail_step = False
+        self.failed: str | None = None  # set: the engine stopped for good
+        self.shut_down = False
+
+    def shutdown(self) -> None:
+        self.shut_down = True
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -112,6 +117,20 @@ def test_generate_and_step_failure_keeps_loop_alive():
         assert not engine.requests  # the failed request was aborted in the engine
         assert (await _collect(async_engine, "hi", 3)).text == "abc"
         await async_engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_stopped_engine_refuses_requests_and_shutdown_stops_its_workers():
+    async def main():
+        engine = FakeEngine()
+        async_engine = await _started(engine)
+        engine.failed = "pipeline stage 1 was killed by SIGKILL"
+        assert not async_engine.is_running
+        with pytest.raises(EngineClosedError, match="killed by SIGKILL"):
+            await async_engine.add([("hi", SamplingParams(max_tokens=3))])
+        await async_engine.shutdown()
+        assert engine.shut_down
 
     asyncio.run(main())
 

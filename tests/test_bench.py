@@ -10,21 +10,13 @@ from ostinato.cli import main
 from ostinato.config import EngineConfig
 
 
-def test_latency_runs_never_hit_the_prefix_cache(monkeypatch):
-    engines = []
-    build = bench._build
-
-    def keep(config):
-        engine, seconds = build(config)
-        engines.append(engine)
-        return engine, seconds
-
-    monkeypatch.setattr(bench, "_build", keep)
+def test_latency_runs_never_hit_the_prefix_cache():
+    engine, seconds = bench._build(EngineConfig(device="cpu"))
     args = argparse.Namespace(batch_size=[1, 4], input_len=40, output_len=3, iters=2)
-    results = bench.bench_latency(EngineConfig(device="cpu"), args, None)
+    results = bench.bench_latency(engine, seconds, args, None)
     assert [r["batch_size"] for r in results] == [1, 4]
     assert all(r["tpot_ms"] > 0 and r["ttft_ms"] > 0 for r in results)
-    assert engines[0].stats()["prefix_cache_hits"] == 0
+    assert engine.stats()["prefix_cache_hits"] == 0
 
 
 def test_cli_bench_json_lines(capsys):

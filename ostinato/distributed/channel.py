@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 _MAX_PENDING = 64  # sends kept before the oldest is waited on (long delivered by then)
+_CHUNK = 1 << 14  # bytes per send: one carries a typical step; its length is in the first 8
 
 
 class Channel:
@@ -24,21 +25,26 @@ class Channel:
         self._pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
 
     def send(self, obj: object, dst: int) -> None:
-        data = torch.frombuffer(
-            bytearray(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
-        )
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-        for tensor in (size, data):
-            self._pending.append((dist.isend(tensor, dst, group=self.group), tensor))
+        payload = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+        message = bytearray(-(-(8 + len(payload)) // _CHUNK) * _CHUNK)
+        message[:8] = len(payload).to_bytes(8, "little")
+        message[8 : 8 + len(payload)] = payload
+        data = torch.frombuffer(message, dtype=torch.uint8)
+        for chunk in data.split(_CHUNK):
+            self._pending.append((dist.isend(chunk, dst, group=self.group), data))
         while len(self._pending) > _MAX_PENDING:
             self._pending.popleft()[0].wait()
 
     def recv(self, src: int) -> object:
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src, group=self.group)
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(data, src, group=self.group)
-        return pickle.loads(data.numpy().tobytes())
+        first = torch.empty(_CHUNK, dtype=torch.uint8)
+        dist.recv(first, src, group=self.group)
+        size = int.from_bytes(first[:8].numpy().tobytes(), "little")
+        chunks = [first]
+        for _ in range((8 + size - 1) // _CHUNK):
+            chunks.append(torch.empty(_CHUNK, dtype=torch.uint8))
+            dist.recv(chunks[-1], src, group=self.group)
+        message = torch.cat(chunks) if len(chunks) > 1 else first
+        return pickle.loads(message[8 : 8 + size].numpy().tobytes())
 
     def flush(self) -> None:
         """Wait until every message sent so far was received."""

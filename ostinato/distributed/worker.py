@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch.distributed import Store
 
 from ostinato.config import EngineConfig
@@ -91,6 +92,8 @@ def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent
         _die_with(parent)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us; Ctrl-C is its
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s: %(message)s")
+    if not config.is_cuda:  # ranks on one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     from ostinato.loader import load_hf_config
 
     try:

@@ -104,7 +104,8 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopped
+        alive = self._thread is not None and self._thread.is_alive() and not self._stopped
+        return alive and self.engine.failed is None
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between two steps and return its result."""
@@ -169,6 +170,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.shutdown)  # worker processes, if any
 
     def _submit(self, command: Callable[[], None]) -> None:
         with self._submit_lock:
@@ -211,6 +213,8 @@ class AsyncEngine:
     def _add(
         self, requests: list[tuple[Prompt, SamplingParams]], stream: RequestStream, arrival: float
     ) -> None:
+        if self.engine.failed is not None:
+            raise EngineClosedError(f"the engine has stopped: {self.engine.failed}")
         limit = self.engine.config.max_waiting_requests
         waiting = self.engine.stats()["num_waiting"]
         if waiting + len(requests) > limit:

@@ -196,6 +196,11 @@ class LLMEngine:
     def graph_report(self) -> dict:
         return self.executor.graph_report()
 
+    @property
+    def failed(self) -> str | None:
+        """Why the engine stopped for good (a worker process died), else None."""
+        return self.executor.failed
+
     def shutdown(self) -> None:
         """Stop the worker processes, if any; the engine takes no more steps."""
         self.executor.shutdown()

@@ -22,6 +22,7 @@ class Executor(Protocol):
     runner: ModelRunner  # this process's runner: the driver's stage
     num_blocks: int  # KV blocks every rank holds
     max_in_flight: int  # steps that may run at once (one per pipeline stage)
+    failed: str | None  # why it stopped for good (a worker died), else None
 
     def submit(self, step: StepInput) -> PendingStep: ...
 
@@ -39,6 +40,7 @@ class LocalExecutor:
     """The whole model in this process: a step runs when its result is asked for."""
 
     max_in_flight = 1
+    failed = None
 
     def __init__(self, config: EngineConfig, hf_config) -> None:
         self.runner = ModelRunner(config, hf_config)

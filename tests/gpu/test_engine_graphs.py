@@ -5,14 +5,22 @@ import gc
 import pytest
 import torch
 from helpers import make_hf_checkpoint
-from oracle import hf_greedy, hf_margins, hf_model, oracle_prompts, run_ostinato
+from oracle import (
+    MODES,
+    engine,
+    hf_greedy,
+    hf_margins,
+    hf_model,
+    mixed_workload,
+    oracle_prompts,
+    run_ostinato,
+)
 
 from ostinato import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 MAX_NEW = 12
-MODES = ["none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -53,24 +61,6 @@ def test_oracle_float32_exact(checkpoint, backend):
     )
     torch.backends.cuda.matmul.allow_tf32 = False
     assert ours == hf_greedy(hf_model(checkpoint, "cuda"), prompts, MAX_NEW)
-
-
-def mixed_workload(llm: LLM, vocab: int = 300) -> list[list[int]]:
-    """Long prompts (chunked), short ones, and decode batches of sizes that need padding."""
-    g = torch.Generator().manual_seed(0)
-    lengths = [300, 3, 40, 7, 1, 129, 11, 5, 77, 2, 19]
-    prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def engine(checkpoint, mode: str, **kw) -> LLM:
-    kw = {"dtype": "float32", "max_num_batched_tokens": 128, "max_num_seqs": 16, **kw}
-    kw.setdefault("gpu_memory_utilization", 0.25)
-    return LLM(str(checkpoint), cuda_graph_mode=mode, max_capture_size=128, **kw)
 
 
 def test_every_mode_matches_eager_token_for_token(checkpoint):

@@ -1,0 +1,63 @@
+"""On two GPUs with NCCL: pipeline stages with graphs in every mode equal one GPU; faults."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from helpers import make_hf_checkpoint
+from oracle import MODES, engine, mixed_workload
+
+from ostinato.distributed.executor import WorkerError
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint("llama", tmp_path_factory.mktemp("llama"), num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = engine(checkpoint, "none")
+    tokens = mixed_workload(llm)
+    del llm
+    return tokens
+
+
+def check_steps(mode: str, steps: dict) -> None:
+    if mode in ("piecewise", "full_and_piecewise"):
+        assert steps["piecewise"] > 0, steps
+    if mode in ("full", "full_decode_only", "full_and_piecewise"):
+        assert steps["full"] > 0, steps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_stages_equal_one_gpu_with_the_checker_on(checkpoint, reference, mode):
+    llm = engine(checkpoint, mode, pipeline_parallel_size=2, check_graphs=1)
+    try:
+        assert mixed_workload(llm) == reference
+        stages = llm.graph_report()["stages"]
+        assert [s["layers"] for s in stages] == [[0, 2], [2, 4]]
+        for stage in stages:
+            check_steps(mode, stage["steps"])
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_killed_stage_stops_the_engine_within_seconds(checkpoint):
+    llm = engine(checkpoint, "full_and_piecewise", pipeline_parallel_size=2)
+    mixed_workload(llm)
+    worker = next(iter(llm.engine.executor.workers.procs.values()))
+    os.kill(worker.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="stage 1.*killed by SIGKILL"):
+        mixed_workload(llm)
+    assert time.monotonic() - start < 30
+    assert not worker.is_alive()
