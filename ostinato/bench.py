@@ -64,7 +64,8 @@ def run_bench(args: argparse.Namespace) -> int:
         engine, build_s = _build(config)
         try:
             for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
-                _emit({"bench": args.bench, "model": config.model, **result}, args.json)
+                shape = {"pp": config.pipeline_parallel_size, "tp": config.tensor_parallel_size}
+                _emit({"bench": args.bench, "model": config.model, **shape, **result}, args.json)
         finally:
             engine.shutdown()  # worker processes, before the next mode starts its own
         del engine
