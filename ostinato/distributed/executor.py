@@ -24,11 +24,11 @@ from ostinato.distributed.worker import (
     ReportRequest,
     Shutdown,
     StepResult,
+    load_stage,
     stage_report,
-    start_rank,
     worker_main,
 )
-from ostinato.distributed.world import Rendezvous, World, leave
+from ostinato.distributed.world import Rendezvous, World, join, leave
 from ostinato.runner.executor import Deferred
 from ostinato.runner.sampler import SamplerOutput
 from ostinato.runner.step import StepInput
@@ -80,16 +80,16 @@ class MultiprocExecutor:
             self.workers = Workers(config, meet)
         self._closer = weakref.finalize(self, _close, None, self.workers)
         try:
-            wait = self.workers.wait_until_joined if self.workers else None
-            self.world, self.runner = start_rank(config, hf_config, 0, meet, _timed(wait, config))
+            self.world = join(config, 0, meet, self.workers and self.workers.wait_until_joined)
+            if self.workers is not None:  # from now on a death also fails our collectives
+                self.workers.on_death = self.world.abort
+            self._closer.detach()
+            self._closer = weakref.finalize(self, _close, self.world, self.workers)
+            self.runner = load_stage(self.world, hf_config)
         except BaseException as e:
             error = self._error(e)  # before closing: the watchdog stops watching then
             self._closer()
             raise error from e
-        self._closer.detach()
-        self._closer = weakref.finalize(self, _close, self.world, self.workers)
-        if self.workers is not None:
-            self.workers.on_death = self.world.abort
         self.num_blocks = self.runner.num_blocks
 
     @property
@@ -164,12 +164,6 @@ class MultiprocExecutor:
         if cause is None and isinstance(e, RuntimeError) and "by peer" in str(e):
             cause = f"a worker disconnected ({e})"
         return WorkerError(cause) if cause else e
-
-
-def _timed(wait, config: EngineConfig):
-    if wait is None:
-        return None
-    return lambda store: wait(store, config.distributed_timeout)
 
 
 def _close(world: World | None, workers: Workers | None) -> None:

@@ -62,6 +62,7 @@ class Workers:
 
     def __init__(self, config: EngineConfig, meet: Rendezvous) -> None:
         self.meet = meet
+        self.timeout = config.distributed_timeout
         self.cause: str | None = None  # why the engine stopped, once a worker died
         self.on_death: Callable[[], None] = lambda: None  # aborts the driver's collectives
         self._stopping = False
@@ -127,8 +128,9 @@ class Workers:
             time.sleep(0.01)
         return self.cause
 
-    def wait_until_joined(self, store: dist.Store, timeout: float) -> None:
+    def wait_until_joined(self, store: dist.Store) -> None:
         """Wait for every worker to reach the rendezvous, failing at once if one dies first."""
+        timeout = self.timeout
         deadline = time.monotonic() + timeout
         while store.add(JOINED_KEY, 0) < len(self.procs):
             if self.cause is not None:

@@ -1,5 +1,5 @@
 """A rank of the engine other than the driver: it runs every step rank 0 sends, until told to
-stop. Rank 0 goes through the same start-up (`start_rank`) in lockstep with the workers."""
+stop. Rank 0 goes through the same start-up (join, then load_stage) in lockstep with them."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed import Store
 
 from ostinato.config import EngineConfig
 from ostinato.distributed.pipeline import PipelineLink
@@ -48,18 +46,11 @@ class Report:
     report: dict
 
 
-def start_rank(
-    config: EngineConfig,
-    hf_config,
-    rank: int,
-    meet: Rendezvous | None,
-    wait_for_peers: Callable[[Store], None] | None = None,
-) -> tuple[World, ModelRunner]:
-    """Join the group, load this rank's stage, agree on the KV block count, capture graphs."""
-    world = join(config, rank, meet, wait_for_peers)
+def load_stage(world: World, hf_config) -> ModelRunner:
+    """Load this rank's stage, agree with every rank on the KV block count, capture graphs."""
     runner = ModelRunner(world.config, hf_config, world.rank, PipelineLink(world.rank))
     runner.start(world.agree_on_min(runner.num_blocks))
-    return world, runner
+    return runner
 
 
 def stage_report(world: World, runner: ModelRunner) -> dict:
@@ -97,8 +88,8 @@ def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent
     from ostinato.loader import load_hf_config
 
     try:
-        world, runner = start_rank(config, load_hf_config(config.model), rank, meet)
-        serve(world, runner)
+        world = join(config, rank, meet)
+        serve(world, load_stage(world, load_hf_config(config.model)))
     except BaseException:
         _leave_error(rank, traceback.format_exc())
         traceback.print_exc()
