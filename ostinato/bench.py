@@ -1,4 +1,5 @@
-"""ostinato bench {latency,throughput,startup}: time the engine against the memory floor."""
+"""ostinato bench {latency,throughput,startup,serve}: time the engine against the memory floor
+(serve, an online benchmark against a server, lives in bench_serve.py)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,17 @@ from ostinato.sampling_params import SamplingParams
 
 
 def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    bench = sub.add_parser("bench", help="measure latency, throughput or start-up")
+    from ostinato import bench_serve
+
+    bench = sub.add_parser("bench", help="measure latency, throughput, start-up or a server")
     kinds = bench.add_subparsers(dest="bench", required=True)
     for name, help_text in (
         ("latency", "time per output token and time to first token of one batch"),
         ("throughput", "tokens per second over many requests"),
-        ("startup", "load seconds, capture seconds, graph count and graph memory"),
+        (
+            "startup",
+            "load and capture seconds, graph count and memory, time to the first token",
+        ),
     ):
         p = kinds.add_parser(name, help=help_text)
         p.add_argument("--json", action="store_true", help="print one JSON object per result")
@@ -35,12 +41,24 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
     kinds.choices["throughput"].add_argument(
         "--batch-size", type=int, default=256, help="requests (default 256)"
     )
-    for p in (kinds.choices["latency"], kinds.choices["throughput"]):
+    for name, output_len in (("latency", 128), ("throughput", 128), ("startup", 16)):
+        p = kinds.choices[name]
         p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
-        p.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
+        p.add_argument(
+            "--output-len",
+            type=int,
+            default=output_len,
+            help=f"output tokens (default {output_len})",
+        )
     kinds.choices["latency"].add_argument(
         "--iters", type=int, default=3, help="timed runs; the median is reported (default 3)"
     )
+    serve = kinds.add_parser("serve", help="Poisson load on an OpenAI-compatible server")
+    bench_serve.add_arguments(serve)
+    known = set(map(id, serve._actions))
+    add_engine_args(serve)  # for --launch; --model is also the name requests give
+    engine_actions = [a for a in serve._actions if id(a) not in known]
+    serve.set_defaults(func=bench_serve.run, engine_actions=engine_actions)
 
 
 def _int_list(text: str) -> list[int]:
@@ -56,26 +74,28 @@ def _int_list(text: str) -> list[int]:
 def run_bench(args: argparse.Namespace) -> int:
     from ostinato.cli import engine_config
 
-    # --cuda-graph-mode may list several modes: they run one after another in this process.
-    modes = args.cuda_graph_mode.split(",")
+    # --cuda-graph-mode and --cuda-graph-capture may list several values: every pair runs,
+    # one after another in this process.
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
-    for mode in modes:
-        config = engine_config(args, cuda_graph_mode=mode)
-        engine, build_s = _build(config)
-        try:
-            for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
-                shape = {"pp": config.pipeline_parallel_size, "tp": config.tensor_parallel_size}
-                _emit({"bench": args.bench, "model": config.model, **shape, **result}, args.json)
-        finally:
-            engine.shutdown()  # worker processes, before the next mode starts its own
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    for mode in args.cuda_graph_mode.split(","):
+        for capture in args.cuda_graph_capture.split(","):
+            config = engine_config(args, cuda_graph_mode=mode, cuda_graph_capture=capture)
+            engine, build_s = _build(config)
+            try:
+                for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
+                    shape = {"pp": config.pipeline_parallel_size, "tp": config.tensor_parallel_size}
+                    head = {"bench": args.bench, "model": config.model, **shape}
+                    emit_result({**head, **result}, args.json)
+            finally:
+                engine.shutdown()  # worker processes, before the next engine starts its own
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     return 0
 
 
-def _emit(result: dict, as_json: bool) -> None:
+def emit_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result), flush=True)
     else:
@@ -187,19 +207,46 @@ def bench_throughput(
 
 
 def bench_startup(engine: LLMEngine, build_s: float, args, bandwidth: float | None) -> list[dict]:
+    """Start-up, then one request: its time to first token and to its last token (lazy
+    capture pays for its graphs here instead of at start-up)."""
     report = engine.graph_report()
-    capture_s = report["capture_seconds"]
+    capture_s, num_graphs = report["capture_seconds"], _num_graphs(report)
+    ttft, request_s = _first_request(engine, _prompts(engine, 1, args.input_len)[0], args)
+    after = engine.graph_report()
     return [
         {
             "mode": report["cuda_graph_mode"],
+            "capture": engine.config.cuda_graph_capture,
             "startup_s": build_s,
             "load_s": build_s - capture_s,
             "capture_s": capture_s,
-            "num_graphs": sum(len(v) for v in report["captured"].values()),
+            "num_graphs": num_graphs,
             "graph_memory_gib": report["graph_memory_bytes"] / 2**30,
+            "warmups": report["warmups"],
             "kv_blocks": engine.runner.num_blocks,
+            "ttft_after_start_s": ttft,
+            "first_token_after_load_s": capture_s + ttft,
+            "first_request_s": request_s,
+            "graphs_after_first_request": _num_graphs(after),
+            "capture_s_after_first_request": after["capture_seconds"],
         }
     ]
+
+
+def _num_graphs(report: dict) -> int:
+    return sum(len(v) for v in report["captured"].values())
+
+
+def _first_request(engine: LLMEngine, prompt: list[int], args) -> tuple[float, float]:
+    """Seconds from adding one request to its first token, and to its last."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(prompt, params)
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step() and first is None:
+            first = time.perf_counter() - start
+    return first, time.perf_counter() - start
 
 
 BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "startup": bench_startup}

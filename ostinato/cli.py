@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from ostinato.config import CUDA_GRAPH_MODES, DTYPES, EngineConfig
+from ostinato.config import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_MODES, DTYPES, EngineConfig
 
 # Engine flags shared by every command: (flag, type, help). Defaults come from EngineConfig.
 ENGINE_FLAGS: list[tuple[str, type, str]] = [
@@ -23,6 +23,7 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--num-kv-blocks", int, "fix the number of KV blocks (overrides memory sizing)"),
     ("--attention-backend", str, "'auto' (triton on CUDA, torch on CPU), 'triton' or 'torch'"),
     ("--cuda-graph-mode", str, f"one of {CUDA_GRAPH_MODES}"),
+    ("--cuda-graph-capture", str, f"one of {CUDA_GRAPH_CAPTURES}: at start-up, or on first use"),
     ("--max-capture-size", int, "largest PIECEWISE graph, in tokens"),
     ("--check-graphs", int, "re-run every N-th graphed step eagerly and compare (0: off)"),
     ("--pipeline-parallel-size", int, "pipeline stages, one process (GPU) each"),

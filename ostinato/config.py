@@ -17,6 +17,7 @@ DTYPES = {
 }
 DEFAULT_MAX_MODEL_LEN = 4096
 CUDA_GRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")
+CUDA_GRAPH_CAPTURES = ("eager", "lazy")
 
 
 def default_device() -> str:
@@ -45,6 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     cuda_graph_mode: str = "full_and_piecewise"
+    cuda_graph_capture: str = "eager"  # eager: every graph at start-up; lazy: each on first use
     enforce_eager: bool = False
     max_capture_size: int = 512
     capture_sizes: list[int] | None = None
@@ -74,6 +76,12 @@ class EngineConfig:
                 f"choose one of {CUDA_GRAPH_MODES}"
             )
         self.cuda_graph_mode = mode
+        if self.cuda_graph_capture not in CUDA_GRAPH_CAPTURES:
+            raise ValueError(
+                f"unknown cuda_graph_capture {self.cuda_graph_capture!r}: choose 'eager' "
+                "(capture every graph at start-up) or 'lazy' (capture each graph when a batch "
+                "first needs it)"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

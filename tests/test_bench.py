@@ -25,9 +25,13 @@ def test_cli_bench_json_lines(capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["requested_mode"] for r in lines] == ["none", "piecewise"]
     assert all(r["mode"] == "none" for r in lines)  # CPU: graphs resolve to none
-    assert main(["bench", "startup", "--device", "cpu", "--json"]) == 0
-    startup = json.loads(capsys.readouterr().out)
-    assert startup["num_graphs"] == 0 and startup["load_s"] > 0
+    argv = ["bench", "startup", "--device", "cpu", "--json", "--output-len", "3"]
+    assert main([*argv, "--cuda-graph-capture", "eager,lazy"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["capture"] for r in lines] == ["eager", "lazy"]
+    for r in lines:
+        assert r["num_graphs"] == r["graphs_after_first_request"] == 0 and r["load_s"] > 0
+        assert 0 < r["ttft_after_start_s"] < r["first_request_s"]
 
 
 def test_bad_batch_sizes_exit_2(capsys):

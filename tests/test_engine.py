@@ -61,6 +61,7 @@ def test_bad_sampling_params(kwargs, message):
         ({"model": "random:nope"}, "preset"),
         ({"dtype": "float13"}, "dtype"),
         ({"cuda_graph_mode": "sometimes"}, "cuda_graph_mode"),
+        ({"cuda_graph_capture": "later"}, "cuda_graph_capture"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
     ],
 )

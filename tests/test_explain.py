@@ -20,8 +20,16 @@ def no_cuda_calls(monkeypatch):
 
 def test_cuda_config_on_a_machine_without_a_gpu(no_cuda_calls):
     out = json.loads(json.dumps(explain(EngineConfig(device="cuda"))))
-    assert set(out) == {"cuda_graph_mode", "requested_mode", "decisions", "capture_sizes", "config"}
+    assert set(out) == {
+        "cuda_graph_mode",
+        "requested_mode",
+        "decisions",
+        "cuda_graph_capture",
+        "capture_sizes",
+        "config",
+    }
     assert out["cuda_graph_mode"] == out["requested_mode"] == "full_and_piecewise"
+    assert out["cuda_graph_capture"] == "eager"
     assert out["capture_sizes"]["full"][-1] == 256
     assert out["capture_sizes"]["piecewise"][-1] == 512
     assert out["config"]["device"] == "cuda"
@@ -52,3 +60,16 @@ def test_sizes_follow_the_mode(mode, full, piecewise):
     sizes = explain(cfg)["capture_sizes"]
     assert max(sizes["full"], default=0) == full
     assert max(sizes["piecewise"], default=0) == piecewise
+
+
+def test_lazy_capture_is_shown_on_the_command_line(capsys):
+    from ostinato.cli import main
+
+    assert main(["explain", "--device", "cuda", "--cuda-graph-capture", "lazy", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cuda_graph_capture"] == out["config"]["cuda_graph_capture"] == "lazy"
+    assert out["capture_sizes"]["full"]  # the same sizes, captured when first needed
+    assert main(["explain", "--device", "cuda", "--cuda-graph-capture", "lazy"]) == 0
+    assert "cuda_graph_capture: lazy" in capsys.readouterr().out
+    assert main(["explain", "--cuda-graph-capture", "later"]) == 2
+    assert "'eager'" in capsys.readouterr().err

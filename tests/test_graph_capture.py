@@ -9,12 +9,15 @@ import contextlib
 
 import pytest
 import torch
+import triton.language as tl
 
 from ostinato.config import EngineConfig
 from ostinato.graphs import breakable
 from ostinato.graphs.breakable import BreakableGraph, alias, run_outside_graph
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+from ostinato.kernels import variants
+from ostinato.kernels.dispatch import jit
 
 
 def test_outside_capture_calls_fn_and_returns_out():
@@ -157,3 +160,106 @@ def test_runner_captures_largest_first_and_drops_what_runs_out_of_memory(rec):
     gone = BatchDescriptor(16, 16, 1)
     assert runner.run(CudaGraphMode.FULL, gone, 16, lambda: "eager") == "eager"
     assert runner.report()["steps"]["none"] == 1
+
+
+# ---- warm-ups once per kernel variant, and lazy capture -----------------------------------
+@jit
+def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+
+def double(x: torch.Tensor) -> torch.Tensor:
+    """A real Triton kernel (interpreted here) whose variants follow Triton's integer
+    specialisation of n: 1, a multiple of 16, anything else."""
+    _double_kernel[(1,)](x, x.numel(), BLOCK=64)
+    return x
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Triton kernels run interpreted; the warm variants start empty."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(variants, "_launched", set())
+
+
+def test_warm_only_refuses_a_variant_no_warm_up_launched_before_it_runs(kernels):
+    x = torch.ones(4)
+    with pytest.raises(variants.ColdKernel, match="_double_kernel"), variants.warm_only():
+        double(x)
+    assert torch.equal(x, torch.ones(4))  # stopped before the launch
+    with variants.recording():
+        double(torch.ones(4))
+    with variants.warm_only():
+        assert torch.equal(double(torch.ones(12)), torch.full((12,), 2.0))  # same variant
+        for cold in (torch.ones(1), torch.ones(32), torch.ones(4, dtype=torch.float64)):
+            with pytest.raises(variants.ColdKernel):
+                double(cold)
+    assert torch.equal(double(torch.ones(1)), torch.full((1,), 2.0))  # unwatched: runs
+
+
+def lazy_forward(rec: Recorder, calls: list):
+    def forward(desc: BatchDescriptor) -> torch.Tensor:
+        calls.append(desc.num_tokens)
+        return model(rec, double(torch.ones(desc.num_tokens)))
+
+    return forward
+
+
+def test_eager_capture_warms_up_once_per_kernel_variant(rec, kernels):
+    sizes = [1, 2, 4, 16, 32]  # variants of n: {1}, {2, 4}, {16, 32}
+    config = EngineConfig(device="cuda", capture_sizes=sizes, max_num_seqs=32)
+    runner, calls = GraphRunner(config), []
+    runner.capture(lazy_forward(rec, calls), prepare=lambda desc: None)
+    report = runner.report()
+    assert [len(report["captured"][m]) for m in ("full", "piecewise")] == [5, 5]
+    # each variant: one capture stopped at the cold kernel, one warm-up, one capture
+    assert report["warmups"] == 3 and len(calls) == 10 + 2 * 3
+    assert report["cuda_graph_capture"] == "eager"
+
+
+def test_lazy_capture_on_first_use(rec, kernels):
+    config = EngineConfig(
+        device="cuda", capture_sizes=[1, 4, 16], max_num_seqs=16, cuda_graph_capture="lazy"
+    )
+    runner, calls, eager_runs = GraphRunner(config), [], []
+    runner.capture(lazy_forward(rec, calls), prepare=lambda desc: pytest.fail("no dummy batch"))
+    assert not calls and not rec.events and runner.report()["captured"]["full"] == []
+
+    def eager():  # the step's own forward, as the runner's: the padded sizes, same kernels
+        eager_runs.append(1)
+        double(torch.ones(4))
+        return "eager output"
+
+    full = runner.dispatch(3, 3, 1)
+    # cold: the step runs eagerly as the warm-up, then its graph is captured
+    assert runner.run(*full, 3, eager) == "eager output" and len(eager_runs) == 1
+    assert runner.graphs[CudaGraphMode.FULL].keys() == {full[1]}
+    rec.events.clear()
+    out = runner.run(*full, 3, eager)  # captured: replays
+    assert len(eager_runs) == 1 and out is runner.graphs[CudaGraphMode.FULL][full[1]].output
+    assert rec.events and all(e[0] in ("replay", "attend") for e in rec.events)
+    # warm: a new key of the same kernel variant is captured, then replayed, not run eagerly
+    mode, desc = runner.dispatch(4, 2, None)
+    assert (mode, desc) == (CudaGraphMode.PIECEWISE, BatchDescriptor.piecewise(4))
+    rec.events.clear()
+    runner.run(mode, desc, 4, eager)
+    assert len(eager_runs) == 1 and rec.events[-1][0] == "replay"
+    report = runner.report()
+    assert report["cuda_graph_capture"] == "lazy" and report["warmups"] == 1
+    assert report["steps"] == {"none": 1, "piecewise": 1, "full": 1}
+    assert [len(report["captured"][m]) for m in ("full", "piecewise")] == [1, 1]
+    assert report["capture_seconds"] > 0
+    runner.run(CudaGraphMode.NONE, BatchDescriptor(600, 3, None), 600, eager)  # not graphable
+    assert len(eager_runs) == 2 and sum(len(g) for g in runner.graphs.values()) == 2
+
+
+def test_a_variant_that_stays_cold_after_its_warm_up_is_a_clear_error(rec, kernels):
+    config = EngineConfig(device="cuda", capture_sizes=[4], max_num_seqs=4)
+    sizes = iter([4, 16, 1])  # the "model" launches a new variant on every call
+
+    def forward(desc: BatchDescriptor) -> torch.Tensor:
+        return double(torch.ones(next(sizes)))
+
+    with pytest.raises(RuntimeError, match="its own warm-up did not"):
+        GraphRunner(config).capture(forward)

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -20,6 +21,7 @@ from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.modes import RUNTIME_MODES, BatchDescriptor, CudaGraphMode
 from ostinato.graphs.plan import CapturePlan
+from ostinato.kernels import variants
 
 logger = logging.getLogger("ostinato")
 
@@ -27,6 +29,18 @@ ForwardFn = Callable[[BatchDescriptor], torch.Tensor]
 Prepare = Callable[[BatchDescriptor], None]
 Buffers = Callable[[], Mapping[str, torch.Tensor]]
 T = TypeVar("T")
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No collection during one capture while serving: a full collection walks every object."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextmanager
@@ -46,10 +60,23 @@ class GraphRunner:
 
     dispatch(num_tokens, num_reqs, uniform_query_len) -> (mode, desc) for every step, on the
     driver only (every rank then runs the driver's decision);
-    capture(forward_fn, prepare, buffers) once at start-up, after the KV cache exists;
+    capture(forward_fn, prepare, buffers) once at start-up, after the KV cache exists: eager
+    capture captures every key now, lazy capture keeps forward_fn and captures each key the
+    first time run() is given it;
     run(mode, desc, num_tokens, eager) for every step, after copying the batch into the
     persistent buffers and inside the step's forward context (breaks read it);
     report() for graph_report().
+
+    Warm-ups: a capture runs under variants.warm_only(), so one that would launch a Triton
+    kernel variant no warm-up launched stops before compiling it; only then does the key get
+    an eager warm-up (recorded) and a second capture. Keys of one kernel variant set share a
+    warm-up.
+
+    Lazy capture is deterministic: every rank sees the same keys in the same order, so all
+    capture a key at the same step. Its first use either captures then replays (every variant
+    warm) or runs the step eagerly, recording it as the warm-up, then captures. Capture runs
+    no kernels, so capturing from the live buffers has no effect on the step: later steps
+    replay. Graph memory stays inside the runner's graph_memory_reserve, as eager capture's.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -58,6 +85,7 @@ class GraphRunner:
         self.resolution = resolve(config, plan)
         self.resolution.log()
         self.dispatcher = Dispatcher(self.resolution.resolved, plan)
+        self.lazy = config.cuda_graph_capture == "lazy"
         self.graphs: dict[CudaGraphMode, dict[BatchDescriptor, BreakableGraph]] = {
             CudaGraphMode.FULL: {},
             CudaGraphMode.PIECEWISE: {},
@@ -65,8 +93,12 @@ class GraphRunner:
         self.dropped: list[BatchDescriptor] = []
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self.num_warmups = 0
         self.steps: Counter[CudaGraphMode] = Counter()
         self.padded_tokens = 0
+        self._forward_fn: ForwardFn | None = None
+        self._pool: tuple[int, int] | None = None
+        self._stream: torch.cuda.Stream | None = None
         self._buffers: Buffers | None = None
         self._addresses: dict[str, int] = {}
 
@@ -85,16 +117,39 @@ class GraphRunner:
     ) -> T:
         """Replay the graph of desc, or call eager() for NONE and for a key this process did
         not capture (another rank may have: the collectives inside are the same either way).
-        A replay returns the captured output, valid until the graph's next replay."""
-        graph = self.graphs[mode].get(desc) if mode is not CudaGraphMode.NONE else None
-        ran = mode if graph is not None else CudaGraphMode.NONE
-        self.steps[ran] += 1
+        With lazy capture, a key's first use captures it. A replay returns the captured
+        output, valid until the graph's next replay."""
         self.padded_tokens += desc.num_tokens - num_tokens
+        if mode is CudaGraphMode.NONE:
+            return self._eager(eager)
+        graph = self.graphs[mode].get(desc)
+        if graph is None and self._pending(desc):
+            return self._first_use(mode, desc, eager)
         if graph is None:
-            return eager()
+            return self._eager(eager)
+        return self._replay(mode, graph)
+
+    def _eager(self, eager: Callable[[], T]) -> T:
+        self.steps[CudaGraphMode.NONE] += 1
+        return eager()
+
+    def _replay(self, mode: CudaGraphMode, graph: BreakableGraph) -> torch.Tensor:
+        self.steps[mode] += 1
         if self._buffers is not None:
             self._check_addresses()
         return graph.replay()
+
+    def _pending(self, desc: BatchDescriptor) -> bool:
+        return self.lazy and self._forward_fn is not None and desc not in self.dropped
+
+    def _first_use(self, mode: CudaGraphMode, desc: BatchDescriptor, eager: Callable[[], T]) -> T:
+        """Capture then replay when every kernel variant is warm; else run this step eagerly
+        as the warm-up, then capture. Either way the step is computed once."""
+        ran: list[T] = []
+        graph = self._capture_one(mode, desc, lambda: ran.append(self._eager(eager)))
+        if ran:
+            return ran[0]
+        return self._replay(mode, graph) if graph is not None else self._eager(eager)
 
     def capture(
         self,
@@ -102,7 +157,8 @@ class GraphRunner:
         prepare: Prepare | None = None,
         buffers: Buffers | None = None,
     ) -> None:
-        """Capture every key the dispatcher can return, largest first.
+        """Eager capture: capture every key the dispatcher can return, largest first. Lazy
+        capture: only keep forward_fn for run().
 
         prepare(desc) writes a dummy batch of desc's sizes into the persistent buffers (host
         to device copies belong here, never in a graph). forward_fn(desc) then runs the model
@@ -110,24 +166,31 @@ class GraphRunner:
         returns a tensor; it must launch device work only. `buffers` returns the persistent
         buffers by name: with debug_graph_addresses every replay checks they have not moved.
         A size whose capture runs out of memory is dropped with a warning; its batches pad
-        up to a larger graph or run eagerly.
+        up to a larger graph (eager capture) or run eagerly (lazy capture).
         """
+        self._forward_fn = forward_fn
+        if self.config.debug_graph_addresses and buffers is not None:
+            self._buffers = buffers
+            self._addresses = {name: t.data_ptr() for name, t in buffers().items()}
+        if self.lazy:
+            logger.info("lazy CUDA graph capture: each graph is captured when first needed")
+            return
         todo = [(m, d) for m, descs in self.dispatcher.descriptors().items() for d in descs]
         if not todo:
             return
         todo.sort(key=lambda md: md[1].num_tokens, reverse=True)  # smaller graphs reuse memory
-        if self.config.debug_graph_addresses and buffers is not None:
-            self._buffers = buffers
-            self._addresses = {name: t.data_ptr() for name, t in buffers().items()}
-        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         with frozen_gc():  # collects first, so the memory baseline is clean
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+            stream = self._capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):  # warm-ups too: cuBLAS sets up this stream once
                 for mode, desc in tqdm(todo, desc="Capturing CUDA graphs", disable=None):
-                    if not self._capture_one(mode, desc, forward_fn, prepare, pool, stream):
+                    torch.cuda.synchronize()  # the last dummy batch's copies left the host side
+                    if prepare is not None:
+                        prepare(desc)
+                    if self._capture_one(mode, desc, partial(forward_fn, desc)) is None:
                         # only now has the traceback let go of the partial graph and its tensors
                         torch.cuda.empty_cache()
             torch.cuda.current_stream().wait_stream(stream)
@@ -137,28 +200,69 @@ class GraphRunner:
             self.graph_memory_bytes = free_before - torch.cuda.mem_get_info()[0]
         if self.dropped:
             self.dispatcher = self.dispatcher.without(self.dropped)
-            logger.warning("out of memory while capturing: dropped graphs %s", self.dropped)
         logger.info(
-            "captured %s in %.2f s, %.1f MiB of graph memory",
+            "captured %s in %.2f s (%d warm-ups), %.1f MiB of graph memory",
             ", ".join(f"{len(g)} {m.value}" for m, g in self.graphs.items() if g) or "no graphs",
             self.capture_seconds,
+            self.num_warmups,
             self.graph_memory_bytes / 2**20,
         )
 
-    def _capture_one(self, mode, desc, forward_fn, prepare, pool, stream) -> bool:
-        """Prepare, warm up and capture one key; False when it ran out of memory."""
-        torch.cuda.synchronize()  # the previous dummy batch's copies are done with the host side
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The side stream and memory pool every capture uses (capture needs a side stream)."""
+        if self._stream is None:
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        return self._stream
+
+    def _capture_one(
+        self, mode: CudaGraphMode, desc: BatchDescriptor, warm_up: Callable[[], object]
+    ) -> BreakableGraph | None:
+        """Capture desc, calling warm_up() first only when the capture meets a cold kernel
+        variant. None when it ran out of memory: desc is dropped."""
         try:
-            if prepare is not None:
-                prepare(desc)
-            forward_fn(desc)  # lazy initialisation and autotuning happen here, not in capture
-            graph = BreakableGraph(pool, stream)
-            graph.capture(lambda: forward_fn(desc), breaks=mode is CudaGraphMode.PIECEWISE)
+            graph = self._capture_warm(mode, desc)
+            if graph is None:
+                with variants.recording():
+                    warm_up()
+                self.num_warmups += 1
+                graph = self._capture_warm(mode, desc)
+                if graph is None:
+                    raise RuntimeError(
+                        f"capturing {mode.value} {desc} launched a kernel variant that its own "
+                        "warm-up did not: a launch key depends on something other than shapes"
+                    )
         except torch.cuda.OutOfMemoryError:
             self.dropped.append(desc)
-            return False
+            logger.warning("out of memory while capturing: dropped the graph of %s", desc)
+            return None
         self.graphs[mode][desc] = graph
-        return True
+        return graph
+
+    def _capture_warm(self, mode: CudaGraphMode, desc: BatchDescriptor) -> BreakableGraph | None:
+        """One capture attempt; None when it stopped at a cold kernel variant."""
+        graph = BreakableGraph(self._pool, self._capture_stream())
+        try:
+            with self._lazy_totals(), variants.warm_only(), paused_gc():
+                graph.capture(
+                    lambda: self._forward_fn(desc), breaks=mode is CudaGraphMode.PIECEWISE
+                )
+        except variants.ColdKernel:
+            return None
+        return graph
+
+    @contextmanager
+    def _lazy_totals(self) -> Iterator[None]:
+        """A lazy capture adds its own seconds and memory to the totals, leaving out the step
+        it may follow; eager capture measures its whole loop instead."""
+        if not self.lazy:
+            yield
+            return
+        free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+        try:
+            yield
+        finally:
+            self.capture_seconds += time.perf_counter() - start
+            self.graph_memory_bytes += free_before - torch.cuda.mem_get_info()[0]
 
     def _check_addresses(self) -> None:
         for name, t in self._buffers().items():
@@ -173,10 +277,12 @@ class GraphRunner:
         """JSON-ready: the resolution, what was captured and dropped, and step counts."""
         return {
             **self.resolution.as_dict(),
+            "cuda_graph_capture": self.config.cuda_graph_capture,
             "captured": {m.value: [asdict(d) for d in g] for m, g in self.graphs.items()},
             "dropped": [asdict(d) for d in self.dropped],
             "capture_seconds": self.capture_seconds,
             "graph_memory_bytes": self.graph_memory_bytes,
+            "warmups": self.num_warmups,
             "steps": {m.value: self.steps[m] for m in RUNTIME_MODES},
             "padded_tokens": self.padded_tokens,
         }

@@ -20,6 +20,7 @@ def explain(config: EngineConfig, hf_config=None) -> dict:
     resolution = resolve(config, plan)
     report = {
         **resolution.as_dict(),
+        "cuda_graph_capture": config.cuda_graph_capture,
         "capture_sizes": Dispatcher(resolution.resolved, plan).capture_sizes(),
         "config": asdict(config),
     }

@@ -15,6 +15,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from ostinato.kernels import variants
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,6 +42,8 @@ class Kernel(JITFunction):
         self.interpreted = _Interpreted(fn, **options)
 
     def run(self, *args, grid, warmup, **kwargs):
+        if variants.mode is not None:  # graph capture's guard (kernels/variants.py)
+            variants.note_launch(self, args, kwargs)
         if not interpreting():
             return super().run(*args, grid=grid, warmup=warmup, **kwargs)
         with _interpreted_language():

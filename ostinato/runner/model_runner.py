@@ -87,6 +87,7 @@ class ModelRunner:
         self.graphs = GraphRunner(config)
         self.kv_caches: list = []
         self.num_graph_checks = 0
+        self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
         self.num_blocks = self._count_kv_blocks()
 
     def start(self, num_blocks: int | None = None) -> None:
@@ -131,7 +132,8 @@ class ModelRunner:
         activation = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        headroom = activation + self.graph_memory_reserve(activation)
+        self.graph_memory_budget = self.graph_memory_reserve(activation)  # lazy capture's too
+        headroom = activation + self.graph_memory_budget
         allowed = total * self.config.gpu_memory_utilization - self.static_bytes - headroom
         budget = min(allowed, free - headroom - 256 * 2**20)  # 256 MiB for the allocator's slack
         num_blocks = int(budget // self.kv_block_bytes)

@@ -17,6 +17,7 @@ from oracle import (
 )
 
 from ostinato import LLM, SamplingParams
+from ostinato.kernels import variants
 
 pytestmark = pytest.mark.gpu
 
@@ -120,3 +121,80 @@ def test_random_preset_generates_with_graphs():
     report = llm.graph_report()
     assert report["cuda_graph_mode"] == "full_and_piecewise"
     assert report["steps"]["full"] > 0 and report["graph_memory_bytes"] > 0
+
+
+# ---- lazy capture ------------------------------------------------------------------------
+def num_graphs(report: dict) -> int:
+    return sum(len(v) for v in report["captured"].values())
+
+
+@pytest.fixture
+def cold_kernels(monkeypatch):
+    """No kernel variant counts as warm yet (earlier engines of this process warmed them)."""
+    monkeypatch.setattr(variants, "_launched", set())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lazy_capture_matches_eager_capture_token_for_token(checkpoint, dtype, monkeypatch):
+    """Every graph mode, the graph checker on: lazy capture (a cold first use runs eagerly as
+    the warm-up, then captures; a warm one captures, then replays) gives eager capture's
+    tokens. bfloat16 must match too: a step's first use runs the same kernels on the same
+    buffers as its graph."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for mode in MODES[1:]:
+        eager_capture = engine(checkpoint, mode, dtype=dtype, check_graphs=1)
+        reference = mixed_workload(eager_capture)
+        eager_report = eager_capture.graph_report()
+        del eager_capture
+        gc.collect()
+        monkeypatch.setattr(variants, "_launched", set())  # cold first uses happen
+        llm = engine(checkpoint, mode, dtype=dtype, check_graphs=1, cuda_graph_capture="lazy")
+        started = llm.graph_report()
+        assert num_graphs(started) == 0 and started["capture_seconds"] == 0, started
+        assert mixed_workload(llm) == reference, mode
+        report = llm.graph_report()
+        assert report["cuda_graph_capture"] == "lazy" and report["dropped"] == []
+        assert 0 < num_graphs(report) <= num_graphs(eager_report), report
+        assert 0 < report["warmups"] <= num_graphs(report)
+        assert report["capture_seconds"] > 0 and report["graph_memory_bytes"] > 0
+        # the same steps; a cold first use ran eagerly (as the warm-up), a warm one replayed
+        steps, eager_steps = report["steps"], eager_report["steps"]
+        assert steps["none"] == eager_steps["none"] + report["warmups"], (steps, eager_steps)
+        graphed = steps["full"] + steps["piecewise"]
+        assert graphed == eager_steps["full"] + eager_steps["piecewise"] - report["warmups"]
+        del llm
+        gc.collect()
+
+
+def test_eager_capture_warms_up_once_per_kernel_variant(checkpoint, cold_kernels):
+    llm = engine(checkpoint, "full_and_piecewise", dtype="bfloat16")
+    report = llm.graph_report()
+    assert report["dropped"] == [] and num_graphs(report) == 5 + 12
+    assert 0 < report["warmups"] < num_graphs(report), report  # not one per size
+    mixed_workload(llm)
+
+
+def test_lazy_graph_memory_in_ascending_order_fits_the_reserve(checkpoint, cold_kernels):
+    """Serving usually meets small batches first: capture every key lazily, smallest first,
+    and the graph memory still fits what the KV sizing left for graphs."""
+    llm = engine(
+        checkpoint,
+        "full_and_piecewise",
+        dtype="bfloat16",
+        cuda_graph_capture="lazy",
+        enable_prefix_caching=False,  # each prefill runs all its tokens
+    )
+    sizes = llm.engine.runner.graphs.dispatcher.capture_sizes()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    # a prefill of n tokens, then decodes of one request; one token alone is a decode batch,
+    # so PIECEWISE size 1 never runs here
+    prefills = [n for n in sizes["piecewise"] if n > 1]
+    for n in prefills:
+        llm.generate([list(range(2, 2 + n))], params, use_tqdm=False)
+    for n in sizes["full"]:  # n requests decoding together
+        llm.generate([[2 + i] for i in range(n)], params, use_tqdm=False)
+    report = llm.graph_report()
+    assert [d["num_tokens"] for d in report["captured"]["piecewise"]] == prefills, report
+    assert [d["num_reqs"] for d in report["captured"]["full"]] == sizes["full"], report
+    budget = llm.engine.runner.graph_memory_budget
+    assert 0 < report["graph_memory_bytes"] <= budget, (report["graph_memory_bytes"], budget)

@@ -1,0 +1,116 @@
+"""ostinato bench serve against the real server (a subprocess on loopback, the tiny model), and
+its Poisson schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import httpx
+import pytest
+
+from ostinato.bench_serve import arrival_times, engine_argv, launched_server, synthetic_requests
+from ostinato.cli import build_parser, main
+
+METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+LAUNCH = ["bench", "serve", "--launch", "--model", "tiny", "--device", "cpu"]
+LAUNCH += ["--max-model-len", "256", "--max-num-seqs", "64", "--no-prefix-caching"]
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    """The server as --launch starts it (its engine flags passed on) and stops it."""
+    log = tmp_path_factory.mktemp("bench-serve") / "server.log"
+    with launched_server(build_parser().parse_args([*LAUNCH, "--server-log", str(log)])) as url:
+        yield url
+    with pytest.raises(httpx.TransportError):  # stopped
+        httpx.get(f"{url}/health", timeout=2)
+    assert "cuda graph mode: none" in log.read_text()  # its log went to --server-log
+
+
+def test_launch_passes_the_engine_flags_given():
+    flags = engine_argv(build_parser().parse_args([*LAUNCH, "--capture-sizes", "1,2"]))
+    assert flags == ["--device", "cpu", "--max-num-seqs", "64", "--max-model-len", "256",
+                     "--no-prefix-caching", "--capture-sizes", "1,2"]  # fmt: skip
+
+
+def bench(capsys, *argv: str) -> list[dict]:
+    assert main(["bench", "serve", "--model", "tiny", "--json", *argv]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_poisson_schedule_is_seeded_with_mean_gap_one_over_rate():
+    times = arrival_times(20_000, rate=50.0, seed=3)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert times[0] == 0 and min(gaps) >= 0
+    # the standard error of the mean gap is 0.7% here; seeded, so this never flakes
+    assert abs(sum(gaps) / len(gaps) - 1 / 50) < 0.05 / 50
+    assert arrival_times(20_000, 50.0, seed=3) == times != arrival_times(20_000, 50.0, seed=4)
+    assert arrival_times(5, math.inf, seed=0) == [0.0] * 5
+    with pytest.raises(ValueError, match="positive"):
+        arrival_times(5, 0.0, seed=0)
+
+
+def test_counts_and_ordered_percentiles_at_two_rates(server_url, capsys):
+    argv = ["--base-url", server_url, "--num-prompts", "12", "--input-len", "8"]
+    argv += ["--output-len", "6", "--len-spread", "0.5", "--request-rate", "20,inf"]
+    lines = bench(capsys, *argv, "--logprobs", "0")
+    assert [r["request_rate"] for r in lines] == [20.0, "inf"]
+    for i, r in enumerate(lines):
+        expected = sum(q.max_tokens for q in synthetic_requests(12, 8, 6, 0.5, 256, 1000 * i))
+        assert (r["completed"], r["failed"], r["num_prompts"]) == (12, 0, 12)
+        assert r["total_output_tokens"] == expected and "errors" not in r
+        assert r["request_throughput"] == pytest.approx(12 / r["duration_s"])
+        for m in METRICS:
+            assert 0 <= r[f"{m}_p50"] <= r[f"{m}_p90"] <= r[f"{m}_p99"], (m, r)
+            assert r[f"{m}_mean"] > 0
+        assert r["ttft_ms_p99"] <= r["e2e_ms_p99"]
+    assert lines[0]["duration_s"] > lines[1]["duration_s"]  # arrivals spread over ~0.6 s
+
+
+def test_dataset_prompts_and_max_tokens_are_used(server_url, capsys, tmp_path):
+    rows = [{"prompt": "Hello", "max_tokens": 2}, {"prompt": [72, 105]}, {"prompt": "x"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n\n")
+    (r,) = bench(capsys, "--base-url", server_url, "--dataset", str(path), "--output-len", "5")
+    assert (r["completed"], r["num_prompts"], r["total_output_tokens"]) == (3, 3, 2 + 5 + 5)
+    assert r["dataset"] == str(path)
+    (r,) = bench(capsys, "--base-url", server_url, "--dataset", str(path), "--num-prompts", "2")
+    assert (r["completed"], r["total_output_tokens"]) == (2, 2 + 128)
+
+
+def test_refused_requests_and_a_dead_url_are_reported_not_raised(server_url, capsys, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "Hi", "max_tokens": 3}, {"prompt": "x" * 300}, {"prompt": [10**6]}]
+    path.write_text("\n".join(map(json.dumps, rows)))
+    (r,) = bench(capsys, "--base-url", server_url, "--dataset", str(path))
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (1, 2, 3)
+    assert sorted(r["errors"].values()) == [1, 1]
+    assert any("HTTP 400" in e and "max_model_len is 256" in e for e in r["errors"])
+    assert any("vocabulary" in e for e in r["errors"])
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    (r,) = bench(capsys, "--base-url", dead, "--num-prompts", "3")
+    assert (r["completed"], r["failed"], r["ttft_ms_p50"]) == (0, 3, None)
+    assert list(r["errors"]) == [next(iter(r["errors"]))] and "ConnectError" in next(
+        iter(r["errors"])
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("{nope", "line 2 is not JSON"),
+        ('{"prompt": ""}', "line 2"),
+        ('{"prompt": "a", "max_tokens": 0}', "max_tokens"),
+    ],
+)
+def test_bad_dataset_lines_exit_2(capsys, tmp_path, line, words):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "ok"}\n' + line)
+    assert main(["bench", "serve", "--dataset", str(path)]) == 2
+    assert words in capsys.readouterr().err
