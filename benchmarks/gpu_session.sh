@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_session.sh tests    # tests/gpu (kernels, breakable capture, engine, graphs)
 #   bash benchmarks/gpu_session.sh kernels  # the kernel table (benchmarks/bench_kernels.py)
 #   bash benchmarks/gpu_session.sh bench M  # latency / prefill / startup benches of model M
+#   bash benchmarks/gpu_session.sh capture M   # start-up, capture and first token, eager vs lazy
+#   bash benchmarks/gpu_session.sh serve M     # bench serve at three rates, each graph mode
 #   bash benchmarks/gpu_session.sh generate M  # ostinato generate with model M
 #   bash benchmarks/gpu_session.sh parallel    # two GPUs: pipeline / tensor parallel tests
 #   bash benchmarks/gpu_session.sh parallel-bench M  # two GPUs: P=1 vs P=2 vs T=2 benches
@@ -63,12 +65,40 @@ parallel-bench)  # MODEL: decode latency at batch 1 and 32 per mode, throughput 
   done
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
   ;;
+capture)
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  # a first start fills Triton's disk cache, so neither measured start compiles kernels;
+  # each capture mode then starts in a process of its own
+  for capture in eager eager lazy; do
+    python3 -m ostinato.cli bench startup --model "$model" --json --max-model-len 2048 \
+      --input-len 512 --cuda-graph-capture $capture 2>>"$OUT/startup.err" | tee -a "$OUT/startup.jsonl"
+  done
+  python3 benchmarks/capture_profile.py --model "$model" --max-model-len 2048 \
+    --out "$OUT/capture-profile.jsonl" 2>>"$OUT/capture-profile.err" | cut -c1-600
+  grep -v "it/s\]" "$OUT/startup.err" "$OUT/capture-profile.err" | grep -i -E "error|warn" | tail -n 10
+  ;;
+serve)
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  # the GPU image has no fastapi/uvicorn: wheels travel in .whl (WHEELS to point elsewhere)
+  python3 -c "import fastapi, uvicorn" 2>/dev/null ||
+    python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn || exit 1
+  for mode in none piecewise full_and_piecewise; do
+    # --logprobs 0: a chunk per token (a random preset's tokens have no text to stream)
+    python3 -m ostinato.cli bench serve --launch --model "$model" --cuda-graph-mode $mode \
+      --max-model-len 2048 --request-rate 8,32,inf --num-prompts 100 --input-len 512 \
+      --output-len 128 --len-spread 0.5 --logprobs 0 --json --server-log "/tmp/serve-$mode.log" \
+      2>>"$OUT/serve.err" | tee -a "$OUT/serve.jsonl"
+  done
+  grep -i -E "error|traceback" "$OUT/serve.err" | tail -n 10
+  ;;
 generate)
   python3 -m ostinato.cli generate --model "${2:?model}" --max-tokens 16 --max-model-len 2048 \
     "The capital of France is" 2>&1 | tail -n 8 | tee "$OUT/generate.txt"
   ;;
 *)
-  echo "usage: $0 tests | kernels | bench MODEL | generate MODEL | parallel | parallel-bench MODEL" >&2
+  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | generate MODEL | parallel | parallel-bench MODEL" >&2
   exit 2
   ;;
 esac
