@@ -84,10 +84,10 @@ serve)
   # the GPU image has no fastapi/uvicorn: wheels travel in .whl (WHEELS to point elsewhere)
   python3 -c "import fastapi, uvicorn" 2>/dev/null ||
     python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn || exit 1
-  for mode in none piecewise full_and_piecewise; do
+  for mode in ${SERVE_MODES:-none piecewise full_and_piecewise}; do
     # --logprobs 0: a chunk per token (a random preset's tokens have no text to stream)
     python3 -m ostinato.cli bench serve --launch --model "$model" --cuda-graph-mode $mode \
-      --max-model-len 2048 --request-rate 8,32,inf --num-prompts 100 --input-len 512 \
+      --max-model-len 2048 --request-rate 8,32,inf --num-prompts "${SERVE_PROMPTS:-100}" --input-len 512 \
       --output-len 128 --len-spread 0.5 --logprobs 0 --json --server-log "/tmp/serve-$mode.log" \
       2>>"$OUT/serve.err" | tee -a "$OUT/serve.jsonl"
   done

@@ -63,6 +63,10 @@ class Recorder:
         return FakeGraph()
 
 
+class FakeMemPool:
+    id = (0, 1)
+
+
 class FakeStream:
     def wait_stream(self, other) -> None:
         pass
@@ -76,7 +80,7 @@ def rec(monkeypatch) -> Recorder:
         "Stream": FakeStream,
         "current_stream": FakeStream,
         "stream": lambda s: contextlib.nullcontext(),
-        "graph_pool_handle": lambda: (0, 1),
+        "MemPool": FakeMemPool,
         "synchronize": lambda: None,
         "empty_cache": lambda: None,
         "mem_get_info": lambda: (2**30, 2**31),

@@ -97,7 +97,7 @@ class GraphRunner:
         self.steps: Counter[CudaGraphMode] = Counter()
         self.padded_tokens = 0
         self._forward_fn: ForwardFn | None = None
-        self._pool: tuple[int, int] | None = None
+        self._pool: torch.cuda.MemPool | None = None
         self._stream: torch.cuda.Stream | None = None
         self._buffers: Buffers | None = None
         self._addresses: dict[str, int] = {}
@@ -209,9 +209,11 @@ class GraphRunner:
         )
 
     def _capture_stream(self) -> torch.cuda.Stream:
-        """The side stream and memory pool every capture uses (capture needs a side stream)."""
+        """The side stream and the memory pool every capture uses (capture needs a side
+        stream). The MemPool object keeps the pool alive: graphs alone would not when a capture
+        stopped at a cold kernel before any graph existed, and PyTorch then refuses the pool."""
         if self._stream is None:
-            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            self._pool, self._stream = torch.cuda.MemPool(), torch.cuda.Stream()
         return self._stream
 
     def _capture_one(
@@ -240,7 +242,8 @@ class GraphRunner:
 
     def _capture_warm(self, mode: CudaGraphMode, desc: BatchDescriptor) -> BreakableGraph | None:
         """One capture attempt; None when it stopped at a cold kernel variant."""
-        graph = BreakableGraph(self._pool, self._capture_stream())
+        stream = self._capture_stream()
+        graph = BreakableGraph(self._pool.id, stream)
         try:
             with self._lazy_totals(), variants.warm_only(), paused_gc():
                 graph.capture(

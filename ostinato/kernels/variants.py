@@ -21,6 +21,7 @@ import torch
 RECORD, CHECK = "record", "check"
 mode: str | None = None  # RECORD, CHECK, or None: off, a launch pays one comparison
 _launched: set[tuple] = set()
+_constexprs: dict[object, frozenset[str]] = {}  # per kernel, its constexpr parameters
 
 
 class ColdKernel(RuntimeError):
@@ -58,14 +59,23 @@ def note_launch(kernel, args: tuple, kwargs: dict) -> None:
 
 def launch_key(kernel, args: tuple, kwargs: dict) -> tuple:
     """The kernel and, per argument, what Triton may specialise on (a superset of it)."""
-    params = kernel.params
-    named = {p.name: p for p in params}
-    positional = tuple(_spec(p.is_constexpr, a) for p, a in zip(params, args, strict=False))
+    constexpr = _constexpr_params(kernel)
+    positional = tuple(
+        _spec(name in constexpr, a) for name, a in zip(kernel.arg_names, args, strict=False)
+    )
+    # keyword arguments are constexprs or launch options (num_warps, ...) unless named params
     keyword = tuple(
-        (name, _spec(named[name].is_constexpr if name in named else True, value))
+        (name, _spec(name in constexpr or name not in kernel.arg_names, value))
         for name, value in sorted(kwargs.items())
     )
     return kernel, positional, keyword
+
+
+def _constexpr_params(kernel) -> frozenset[str]:
+    names = _constexprs.get(kernel)
+    if names is None:
+        names = _constexprs[kernel] = frozenset(p.name for p in kernel.params if p.is_constexpr)
+    return names
 
 
 def _spec(is_constexpr: bool, value) -> object:
