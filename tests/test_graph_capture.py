@@ -6,6 +6,7 @@ captures, and what the runner does when a size runs out of memory. tests/gpu che
 """
 
 import contextlib
+import itertools
 
 import pytest
 import torch
@@ -42,16 +43,30 @@ def test_alias_views_the_same_memory():
 
 
 class Recorder:
+    """Fake CUDA graphs that record what runs, and count the graphs using each memory pool as
+    PyTorch does: a pool whose graphs are all gone is refused to the next capture."""
+
     def __init__(self) -> None:
         self.events: list[tuple] = []
         self.graphs = 0
+        self.pools = itertools.count(1)
+        self.pool_users: dict[tuple[int, int], int] = {}
+
+    def pool_handle(self) -> tuple[int, int]:
+        return 0, next(self.pools)
 
     def graph(self):
         rec, rec.graphs = self, self.graphs + 1
         gid = rec.graphs
 
         class FakeGraph:
+            pool = None
+
             def capture_begin(self, pool=None):
+                if rec.pool_users.get(pool) == 0:
+                    raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+                rec.pool_users[pool] = rec.pool_users.get(pool, 0) + 1
+                self.pool = pool
                 rec.events.append(("begin", gid))
 
             def capture_end(self):
@@ -60,11 +75,11 @@ class Recorder:
             def replay(self):
                 rec.events.append(("replay", gid))
 
+            def __del__(self):
+                if self.pool is not None:
+                    rec.pool_users[self.pool] -= 1
+
         return FakeGraph()
-
-
-class FakeMemPool:
-    id = (0, 1)
 
 
 class FakeStream:
@@ -80,7 +95,7 @@ def rec(monkeypatch) -> Recorder:
         "Stream": FakeStream,
         "current_stream": FakeStream,
         "stream": lambda s: contextlib.nullcontext(),
-        "MemPool": FakeMemPool,
+        "graph_pool_handle": rec.pool_handle,
         "synchronize": lambda: None,
         "empty_cache": lambda: None,
         "mem_get_info": lambda: (2**30, 2**31),

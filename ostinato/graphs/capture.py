@@ -97,7 +97,7 @@ class GraphRunner:
         self.steps: Counter[CudaGraphMode] = Counter()
         self.padded_tokens = 0
         self._forward_fn: ForwardFn | None = None
-        self._pool: torch.cuda.MemPool | None = None
+        self._pool: tuple[int, int] | None = None
         self._stream: torch.cuda.Stream | None = None
         self._buffers: Buffers | None = None
         self._addresses: dict[str, int] = {}
@@ -210,11 +210,18 @@ class GraphRunner:
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The side stream and the memory pool every capture uses (capture needs a side
-        stream). The MemPool object keeps the pool alive: graphs alone would not when a capture
-        stopped at a cold kernel before any graph existed, and PyTorch then refuses the pool."""
+        stream)."""
         if self._stream is None:
-            self._pool, self._stream = torch.cuda.MemPool(), torch.cuda.Stream()
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         return self._stream
+
+    def _discarded(self) -> None:
+        """After a capture that became no graph (a cold kernel, out of memory). PyTorch counts
+        the graphs using a pool; a discarded one that was the only one leaves the count at 0,
+        and PyTorch's allocators then refuse that pool to the next capture (an internal
+        assert). So until some graph holds the pool, the next capture takes a fresh one."""
+        if not any(self.graphs.values()):
+            self._pool = torch.cuda.graph_pool_handle()
 
     def _capture_one(
         self, mode: CudaGraphMode, desc: BatchDescriptor, warm_up: Callable[[], object]
@@ -235,6 +242,7 @@ class GraphRunner:
                     )
         except torch.cuda.OutOfMemoryError:
             self.dropped.append(desc)
+            self._discarded()
             logger.warning("out of memory while capturing: dropped the graph of %s", desc)
             return None
         self.graphs[mode][desc] = graph
@@ -243,13 +251,14 @@ class GraphRunner:
     def _capture_warm(self, mode: CudaGraphMode, desc: BatchDescriptor) -> BreakableGraph | None:
         """One capture attempt; None when it stopped at a cold kernel variant."""
         stream = self._capture_stream()
-        graph = BreakableGraph(self._pool.id, stream)
+        graph = BreakableGraph(self._pool, stream)
         try:
             with self._lazy_totals(), variants.warm_only(), paused_gc():
                 graph.capture(
                     lambda: self._forward_fn(desc), breaks=mode is CudaGraphMode.PIECEWISE
                 )
         except variants.ColdKernel:
+            self._discarded()
             return None
         return graph
 
