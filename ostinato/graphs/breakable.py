@@ -9,7 +9,7 @@ and reads the live batch metadata (from the forward context) at that moment.
 Memory: every segment allocates from the one pool, and tensors that cross a break are held
 by the Python frames of the forward pass while capture runs, so no segment reuses them.
 Afterwards the recorded calls keep only non-owning aliases: the pool may hand those blocks
-to graphs captured later (smaller sizes), which is safe because graphs never replay
+to graphs captured later, which is safe because graphs never replay
 concurrently and every block a replay reads was written earlier in the same replay. Only the
 final output stays owned, so it is stable until this graph's next replay.
 """
@@ -62,7 +62,8 @@ class BreakableGraph:
 
     def capture(self, fn: Callable[[], torch.Tensor], breaks: bool = True) -> torch.Tensor:
         """Capture fn() on self.stream (not the current stream: capture needs a side stream).
-        The caller warms fn up and synchronises first."""
+        The caller makes sure no launch in fn compiles first (GraphRunner warms up where
+        kernels.variants says a kernel variant is cold)."""
         global _capturing
         if _capturing is not None:
             raise RuntimeError("a breakable capture is already under way")

@@ -73,10 +73,13 @@ class GraphRunner:
     warm-up.
 
     Lazy capture is deterministic: every rank sees the same keys in the same order, so all
-    capture a key at the same step. Its first use either captures then replays (every variant
-    warm) or runs the step eagerly, recording it as the warm-up, then captures. Capture runs
-    no kernels, so capturing from the live buffers has no effect on the step: later steps
-    replay. Graph memory stays inside the runner's graph_memory_reserve, as eager capture's.
+    capture a key at the same step. A key's first use captures then replays when every kernel
+    variant is warm, else runs the step eagerly, recording it as the warm-up, then captures.
+    (A capture costs about an eager forward's host time: a warm key saves that forward, and a
+    cold one needs a warm-up anyway, which the live step is.) Capture runs no kernels, so
+    capturing from the live buffers has no effect on the step; later steps replay. Every key
+    of qwen3-0.6b captured smallest first took 196 MiB against the 231 MiB the KV sizing
+    reserves for graphs (H100, benchmarks/capture-h100.md).
     """
 
     def __init__(self, config: EngineConfig) -> None:
