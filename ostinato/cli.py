@@ -29,6 +29,10 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--pipeline-parallel-size", int, "pipeline stages, one process (GPU) each"),
     ("--tensor-parallel-size", int, "processes (GPUs) splitting each stage's layers"),
     ("--distributed-timeout", float, "seconds one collective may take before it fails"),
+    ("--speculative-method", str, "'ngram' (draft by prompt lookup); unset: no speculation"),
+    ("--num-speculative-tokens", int, "draft tokens verified per request and step (k)"),
+    ("--ngram-min", int, "shortest suffix the n-gram proposer matches"),
+    ("--ngram-max", int, "longest suffix the n-gram proposer tries first"),
 ]
 ENGINE_SWITCHES: list[tuple[str, str]] = [
     ("--enforce-eager", "never use CUDA graphs"),

@@ -18,6 +18,7 @@ DTYPES = {
 DEFAULT_MAX_MODEL_LEN = 4096
 CUDA_GRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")
 CUDA_GRAPH_CAPTURES = ("eager", "lazy")
+SPECULATIVE_METHODS = ("ngram",)
 
 
 def default_device() -> str:
@@ -57,6 +58,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pp_layer_partition: list[int] | None = None  # layers per stage; None: an even split
     distributed_timeout: float = 120.0  # seconds any one collective may take before it fails
+    speculative_method: str | None = None  # "ngram": draft tokens by prompt lookup
+    num_speculative_tokens: int = 0  # k: draft tokens verified per request and step
+    ngram_min: int = 1  # shortest suffix the n-gram proposer matches
+    ngram_max: int = 4  # longest suffix it tries first
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -111,6 +116,37 @@ class EngineConfig:
         if not self.distributed_timeout > 0:
             raise ValueError(
                 f"distributed_timeout must be positive seconds, got {self.distributed_timeout}"
+            )
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        k = self.num_speculative_tokens
+        if self.speculative_method is None:
+            if k != 0:
+                raise ValueError(
+                    f"num_speculative_tokens={k} needs a speculative_method: set "
+                    f"speculative_method to one of {SPECULATIVE_METHODS}, or drop it"
+                )
+        elif self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"unknown speculative_method {self.speculative_method!r}: choose one of "
+                f"{SPECULATIVE_METHODS} or None"
+            )
+        elif k < 1:
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} needs num_speculative_tokens "
+                f">= 1 (draft tokens verified per step), got {k}"
+            )
+        elif 1 + k > self.max_num_batched_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={k} needs {1 + k} tokens per request and step, more "
+                f"than max_num_batched_tokens={self.max_num_batched_tokens}: lower "
+                "num_speculative_tokens or raise max_num_batched_tokens"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} and "
+                f"ngram_max={self.ngram_max}"
             )
 
     @property

@@ -63,3 +63,8 @@ class LLM:
 
     def graph_report(self) -> dict:
         return self.engine.graph_report()
+
+    def stats(self) -> dict:
+        """The engine's counters: requests, tokens, KV blocks, prefix cache, preemptions, and
+        speculative decoding's draft and accepted tokens and acceptance rate."""
+        return self.engine.stats()

@@ -68,6 +68,51 @@ def decode_only_backend(monkeypatch):
     return "decode_only"
 
 
+@pytest.fixture
+def single_token_backend(monkeypatch):
+    class SingleToken(TritonAttentionBackend):
+        name = "single_token"
+        graph_support = GraphSupport.SINGLE_TOKEN_DECODE
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, "single_token", SingleToken)
+    return "single_token"
+
+
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("full", "full_and_piecewise"), ("full_and_piecewise", "full_and_piecewise")]
+    + [("full_decode_only", "full_decode_only"), ("piecewise", "piecewise")],
+)
+def test_uniform_decode_backend_keeps_full_for_speculative_decode(
+    decode_only_backend, mode, expected
+):
+    res = resolve(config(mode, decode_only_backend, **SPEC))
+    assert res.resolved.value == expected
+
+
+@pytest.mark.parametrize(
+    ("mode", "plain", "speculative"),
+    [
+        ("full", "full_and_piecewise", "piecewise"),
+        ("full_and_piecewise", "full_and_piecewise", "piecewise"),
+        ("full_decode_only", "full_decode_only", "none"),
+        ("piecewise", "piecewise", "piecewise"),
+    ],
+)
+def test_single_token_backend_loses_full_graphs_with_speculation(
+    single_token_backend, mode, plain, speculative
+):
+    assert resolve(config(mode, single_token_backend)).resolved.value == plain
+    res = resolve(config(mode, single_token_backend, **SPEC))
+    assert res.resolved.value == speculative
+    if plain != speculative:
+        rule = next(d for d in res.decisions if d.rule == "backend_full_for_single_token_decode")
+        assert "verifies 4 tokens per request" in rule.reason
+
+
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [("full", "full_and_piecewise"), ("full_and_piecewise", "full_and_piecewise")]
@@ -101,9 +146,10 @@ def test_capture_sizes_outside_every_limit(mode, limits, expected):
     assert resolve(config(mode, **limits)).resolved.value == expected
 
 
-def test_every_rule_fires_somewhere(decode_only_backend):
+def test_every_rule_fires_somewhere(decode_only_backend, single_token_backend):
     configs = [config(m, b, d, bool(e)) for m, b, d, e in MATRIX]
     configs += [config("full", decode_only_backend), config("full_and_piecewise", **NO_SIZES)]
+    configs += [config("full_and_piecewise", single_token_backend, **SPEC)]
     fired = {d.rule for c in configs for d in resolve(c).decisions}
     assert fired == {rule.name for rule in RULES}
 

@@ -73,15 +73,37 @@ def test_uniform_batch_of_another_query_length_is_not_a_decode():
     assert d.dispatch(12, 3, 4) == (PIECEWISE, PW(16))
 
 
+def spec_dispatcher(mode: CudaGraphMode, k: int = 3) -> Dispatcher:
+    return dispatcher(mode, speculative_method="ngram", num_speculative_tokens=k)
+
+
+def test_verify_batches_of_one_plus_k_tokens_replay_their_own_full_graphs():
+    d = spec_dispatcher(M.FULL_AND_PIECEWISE)
+    assert d.dispatch(12, 3, 4) == (FULL, BatchDescriptor(16, 4, 4))  # padded to 4 requests
+    assert d.dispatch(3, 3, 1) == (FULL, BatchDescriptor(4, 4, 1))  # no drafts: q = 1 graphs
+    assert d.dispatch(9, 3, 3) == (PIECEWISE, PW(16))  # some request has fewer drafts
+    full = d.descriptors()[FULL]
+    assert {k.uniform_query_len for k in full} == {1, 4}
+    assert max(k.num_tokens for k in full) == MAX_SEQS * 4
+    assert d.capture_sizes()["full_tokens"][-1] == MAX_SEQS * 4
+
+
+def test_without_drops_one_query_length_only():
+    d = spec_dispatcher(M.FULL_DECODE_ONLY).without([BatchDescriptor(32, 8, 4)])
+    assert d.dispatch(20, 5, 4) == (FULL, BatchDescriptor(64, 16, 4))
+    assert d.dispatch(5, 5, 1) == (FULL, BatchDescriptor(8, 8, 1))
+
+
 def test_piecewise_keys_carry_num_tokens_only():
     keys = dispatcher(M.PIECEWISE).descriptors()[PIECEWISE]
     assert all(k.num_reqs is None and k.uniform_query_len is None for k in keys)
     assert len(keys) == len(set(keys))
 
 
+@pytest.mark.parametrize("k", [0, 3])
 @pytest.mark.parametrize("mode", list(M))
-def test_every_dispatched_key_is_captured(mode):
-    d = dispatcher(mode)
+def test_every_dispatched_key_is_captured(mode, k):
+    d = spec_dispatcher(mode, k) if k else dispatcher(mode)
     captured = {(m, k) for m, keys in d.descriptors().items() for k in keys}
     for n in range(1, 140):
         for r, q in [(n, 1), (max(1, n // 3), None), (max(1, n // 4), 4)]:

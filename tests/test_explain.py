@@ -47,7 +47,7 @@ def test_torch_backend_downgrade_is_explained(no_cuda_calls):
 def test_cpu_has_no_sizes():
     out = explain(EngineConfig(device="cpu", cuda_graph_mode="full"))
     assert out["cuda_graph_mode"] == "none"
-    assert out["capture_sizes"] == {"full": [], "piecewise": []}
+    assert out["capture_sizes"] == {"full": [], "piecewise": [], "full_tokens": []}
     assert "CUDA graphs need a CUDA device" in out["decisions"][0]["reason"]
 
 
@@ -73,3 +73,18 @@ def test_lazy_capture_is_shown_on_the_command_line(capsys):
     assert "cuda_graph_capture: lazy" in capsys.readouterr().out
     assert main(["explain", "--cuda-graph-capture", "later"]) == 2
     assert "'eager'" in capsys.readouterr().err
+
+
+def test_speculation_captures_verify_graphs_up_to_max_num_seqs_times_q(no_cuda_calls):
+    cfg = EngineConfig(
+        device="cuda", max_num_seqs=64, speculative_method="ngram", num_speculative_tokens=4
+    )
+    sizes = explain(cfg)["capture_sizes"]
+    assert sizes["full"][-1] == 64 and sizes["piecewise"][-1] == 512
+    # FULL graphs of one-token decodes and of 1 + 4 token verify steps
+    assert max(sizes["full_tokens"]) == 64 * 5
+    assert {1, 2, 64, 5, 10, 320} <= set(sizes["full_tokens"])
+    assert (
+        explain(EngineConfig(device="cuda", max_num_seqs=64))["capture_sizes"]["full_tokens"][-1]
+        == 64
+    )

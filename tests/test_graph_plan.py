@@ -16,7 +16,7 @@ def test_default_ladders():
     p = plan()
     assert list(p.token_sizes) == LADDER_TO_512
     assert list(p.decode_sizes) == LADDER_TO_512[: LADDER_TO_512.index(256) + 1]
-    assert p.decode_query_len == 1
+    assert p.decode_query_lens == (1,)
 
 
 def test_lists_are_separate():
@@ -39,9 +39,13 @@ def test_cap_off_the_ladder_is_included():
 
 
 def test_decode_sizes_bounded_by_tokens_per_step():
-    p = CapturePlan.from_config(
-        EngineConfig(device="cuda", max_num_seqs=64, max_num_batched_tokens=64), decode_query_len=4
+    p = plan(
+        max_num_seqs=64,
+        max_num_batched_tokens=64,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
     )
+    assert p.decode_query_lens == (1, 4)  # plain decode steps, and verify steps of 1 + k
     assert p.decode_sizes[-1] == 16  # 16 requests x q=4 = 64 tokens
 
 

@@ -68,10 +68,10 @@ def test_sampler_keeps_a_seeded_requests_state_until_it_is_forgotten():
     params = SamplingParams(temperature=1.0, seed=5)
     row = SamplingRow("a", params)
     sampler = Sampler()
-    first = [sampler(logits, [row]).token_ids[0] for _ in range(8)]
+    first = [sampler(logits, [row]).token_ids[0][0] for _ in range(8)]
     again = Sampler()
-    assert [again(logits, [row]).token_ids[0] for _ in range(8)] == first
+    assert [again(logits, [row]).token_ids[0][0] for _ in range(8)] == first
     sampler.forget(("a",))
     assert "a" not in sampler.generators
-    assert [sampler(logits, [row]).token_ids[0] for _ in range(8)] == first
+    assert [sampler(logits, [row]).token_ids[0][0] for _ in range(8)] == first
     assert len(set(first)) > 1  # the state advanced between steps

@@ -15,7 +15,8 @@ class GraphSupport(enum.Enum):
     """How much of a CUDA graph a backend's attention call may live inside."""
 
     ALWAYS = "always"  # any batch, sizes read on the device
-    UNIFORM_DECODE = "uniform_decode"  # FULL graphs of uniform decode batches only
+    UNIFORM_DECODE = "uniform_decode"  # FULL graphs of uniform decode batches only (any q)
+    SINGLE_TOKEN_DECODE = "single_token_decode"  # ... and only of one token per request
     NEVER = "never"  # must run outside graphs (PIECEWISE breaks around it)
 
 

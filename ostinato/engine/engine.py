@@ -47,6 +47,8 @@ class LLMEngine:
         self._ended: list[str] = []  # request ids the sampler may forget, sent with the next step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec_draft_tokens = 0  # draft tokens verified (proposed or padded)
+        self.spec_accepted_tokens = 0  # of those, accepted
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -124,28 +126,45 @@ class LLMEngine:
         except BaseException:
             self.scheduler.complete(batch, ran=False)
             raise
-        self.scheduler.complete(batch)
-        if sampled is None:
-            return []
-        seqs = {seq.request_id: seq for seq in batch.seqs}
-        outputs = []
-        for row, token, logprobs in zip(
-            step.sampling, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            seq = seqs[row.request_id]
-            if seq.status is not SequenceStatus.FINISHED:  # else aborted while in flight
-                outputs.append(self._append_token(seq, token, logprobs))
+        outputs: list[RequestOutput] = []
+        accepted: dict[str, int] = {}
+        try:
+            if sampled is not None:
+                seqs = {seq.request_id: seq for seq in batch.seqs}
+                for row, tokens, logprobs in zip(
+                    step.sampling, sampled.token_ids, sampled.logprobs, strict=True
+                ):
+                    seq = seqs[row.request_id]
+                    if seq.status is SequenceStatus.FINISHED:  # aborted while in flight
+                        continue
+                    if row.draft_token_ids:
+                        accepted[row.request_id] = len(tokens) - 1
+                        self.spec_draft_tokens += len(row.draft_token_ids)
+                        self.spec_accepted_tokens += len(tokens) - 1
+                    outputs.append(self._append_tokens(seq, tokens, logprobs))
+        finally:  # after the tokens are appended: the prefix cache hashes them
+            self.scheduler.complete(batch, accepted)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict | None) -> RequestOutput:
-        seq.token_ids.append(token)
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprobs)
-        self.generation_tokens_total += 1
+    def _append_tokens(
+        self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None
+    ) -> RequestOutput:
+        """Append a step's tokens (accepted drafts, then the sampled one) one at a time, as
+        decoding without drafts would, and stop at the first that ends the request."""
         detok = self.detokenizers[seq.request_id]
         output_ids = seq.output_token_ids  # one copy per step, shared below
-        detok.update(output_ids)
-        reason = self._finish_reason(seq, token, detok)
+        reason = None
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            output_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+            detok.update(output_ids)
+            reason = self._finish_reason(seq, token, detok)
+            if reason is not None:
+                tokens = tokens[: i + 1]
+                break
+        self.generation_tokens_total += len(tokens)
         if reason is not None:
             if not detok.text_stopped:
                 detok.update(output_ids, final=True)
@@ -155,7 +174,7 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids,
             text=detok.text,
-            new_token_ids=[token],
+            new_token_ids=tokens,
             finished=reason is not None,
             finish_reason=reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
@@ -191,6 +210,9 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_acceptance_rate": self.spec_accepted_tokens / max(self.spec_draft_tokens, 1),
         }
 
     def graph_report(self) -> dict:

@@ -8,22 +8,33 @@ recompute its tokens later.
 With pipeline parallelism several batches are in flight at once (one per stage): a request
 in flight is never scheduled again until its batch completes, and each batch takes at most
 its share of the unfinished requests, so the stages get batches of similar size.
+
+With speculative decoding a decode also verifies draft tokens: it computes its last token and
+the drafts (blocks are allocated for them), and on completion only the accepted drafts count
+as computed; the KV of rejected ones is overwritten by later steps.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
 from ostinato.engine.sequence import Sequence, SequenceStatus
+from ostinato.spec import make_proposer
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    query_lens: list[int]  # tokens of each sequence computed this step
+    query_lens: list[int]  # tokens of each sequence computed this step, drafts included
+    drafts: list[list[int]] = field(default_factory=list)  # per sequence; empty: none at all
+
+    def __post_init__(self) -> None:
+        if not self.drafts:
+            self.drafts = [[] for _ in self.seqs]
 
     @property
     def num_tokens(self) -> int:
@@ -31,13 +42,14 @@ class ScheduledBatch:
 
     @property
     def uniform_query_len(self) -> int | None:
-        """q when every request decodes the same number of tokens (a uniform decode batch)."""
+        """q when every request decodes its last token plus the same number of drafts, q - 1
+        (a uniform decode batch)."""
         q = self.query_lens[0]
         is_decode = all(
-            n == q and s.num_computed_tokens + n == len(s)
-            for s, n in zip(self.seqs, self.query_lens, strict=True)
+            n == q and n == 1 + len(d) and s.num_computed_tokens + 1 == len(s)
+            for s, n, d in zip(self.seqs, self.query_lens, self.drafts, strict=True)
         )
-        return q if is_decode and q == 1 else None
+        return q if is_decode else None
 
 
 class Scheduler:
@@ -50,8 +62,12 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.in_flight: set[Sequence] = set()
         self.num_preemptions = 0
+        self.proposer = make_proposer(config)
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.max_model_len = config.max_model_len
         self._budget = 0
         self._scheduled: dict[Sequence, int] = {}
+        self._drafts: dict[Sequence, list[int]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -62,16 +78,17 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """The next batch of requests not already in flight; None when there is none."""
         self._budget = self.max_num_batched_tokens
-        self._scheduled: dict[Sequence, int] = {}
+        self._scheduled, self._drafts = {}, {}
         cap = -(-(len(self.running) + len(self.waiting)) // self.num_microbatches)
         ready = [s for s in self.running if s not in self.in_flight]
         decodes = [s for s in ready if s.num_uncomputed_tokens == 1]
         prefills = [s for s in ready if s.num_uncomputed_tokens > 1]
+        drafts = self._propose(decodes[:cap])
         for seq in decodes + prefills:
             if self._budget == 0 or len(self._scheduled) == cap:
                 break
             if seq.status == SequenceStatus.RUNNING:  # else preempted earlier this step
-                self._schedule_running(seq)
+                self._schedule_running(seq, drafts.get(seq, []))
         while (
             self.waiting
             and self._budget > 0
@@ -83,28 +100,54 @@ class Scheduler:
         if not self._scheduled:
             return None
         self.in_flight.update(self._scheduled)
-        return ScheduledBatch(list(self._scheduled), list(self._scheduled.values()))
+        seqs = list(self._scheduled)
+        drafts = [self._drafts.get(s, []) for s in seqs] if self._drafts else []
+        return ScheduledBatch(seqs, list(self._scheduled.values()), drafts)
 
-    def complete(self, batch: ScheduledBatch, ran: bool = True) -> None:
-        """batch left flight. If it ran, its tokens are in the KV cache; requests that ended
-        while it was in flight are skipped (their blocks are gone)."""
-        for seq, n in zip(batch.seqs, batch.query_lens, strict=True):
+    def _propose(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Draft tokens of the decodes. When any has a proposal, every one verifies k drafts,
+        those without one the last token repeated: the batch stays a uniform decode batch (a
+        FULL graph of q = 1 + k), and a padded draft is verified like any other. When none has
+        one, none speculates (a plain decode step). Drafts never reach past max_model_len."""
+        if self.proposer is None:
+            return {}
+        proposals = {seq: self.proposer.propose(seq) for seq in decodes}
+        if not any(proposals.values()):
+            return {}
+        k = self.num_speculative_tokens
+        return {
+            seq: (draft or [seq.token_ids[-1]] * k)[: self.max_model_len - len(seq)]
+            for seq, draft in proposals.items()
+        }
+
+    def complete(
+        self, batch: ScheduledBatch, accepted: Mapping[str, int] | None = None, ran: bool = True
+    ) -> None:
+        """batch left flight. If it ran, its tokens are in the KV cache, but of each request's
+        drafts only the accepted[request_id] first ones count (their tokens were appended);
+        requests that ended while it was in flight are skipped (their blocks are gone)."""
+        accepted = accepted or {}
+        for seq, n, drafts in zip(batch.seqs, batch.query_lens, batch.drafts, strict=True):
             self.in_flight.discard(seq)
             if ran and seq.status is SequenceStatus.RUNNING:
-                seq.num_computed_tokens += n
+                kept = accepted.get(seq.request_id, 0) if drafts else 0
+                seq.num_computed_tokens += n - len(drafts) + kept
                 self.block_manager.commit(seq)
 
-    def _schedule_running(self, seq: Sequence) -> None:
-        """Allocate blocks for seq's next chunk, preempting the newest requests that are not
-        in flight if needed."""
+    def _schedule_running(self, seq: Sequence, drafts: list[int]) -> None:
+        """Allocate blocks for seq's next chunk (and its drafts, as far as the token budget
+        allows), preempting the newest requests that are not in flight if needed."""
         n = min(seq.num_uncomputed_tokens, self._budget)
-        while not self.block_manager.can_allocate(seq, n):
+        drafts = drafts[: self._budget - n]
+        while not self.block_manager.can_allocate(seq, n + len(drafts)):
             victim = next(s for s in reversed(self.running) if s not in self.in_flight)
             self._preempt(victim)
             if victim is seq:
                 return
-        self.block_manager.allocate(seq, n)
-        self._take(seq, n)
+        self.block_manager.allocate(seq, n + len(drafts))
+        self._take(seq, n + len(drafts))
+        if drafts:
+            self._drafts[seq] = drafts
 
     def _admit(self, seq: Sequence) -> bool:
         bm = self.block_manager
@@ -130,6 +173,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._budget += self._scheduled.pop(seq, 0)
+        self._drafts.pop(seq, None)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
@@ -142,5 +186,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self.proposer is not None:
+            self.proposer.forget(seq.request_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -98,6 +98,7 @@ class GraphRunner:
         self.graph_memory_bytes = 0
         self.num_warmups = 0
         self.steps: Counter[CudaGraphMode] = Counter()
+        self.full_decode_steps: Counter[int] = Counter()  # FULL decode replays per query length
         self.padded_tokens = 0
         self._forward_fn: ForwardFn | None = None
         self._pool: tuple[int, int] | None = None
@@ -130,14 +131,18 @@ class GraphRunner:
             return self._first_use(mode, desc, eager)
         if graph is None:
             return self._eager(eager)
-        return self._replay(mode, graph)
+        return self._replay(mode, desc, graph)
 
     def _eager(self, eager: Callable[[], T]) -> T:
         self.steps[CudaGraphMode.NONE] += 1
         return eager()
 
-    def _replay(self, mode: CudaGraphMode, graph: BreakableGraph) -> torch.Tensor:
+    def _replay(
+        self, mode: CudaGraphMode, desc: BatchDescriptor, graph: BreakableGraph
+    ) -> torch.Tensor:
         self.steps[mode] += 1
+        if desc.uniform_query_len is not None:
+            self.full_decode_steps[desc.uniform_query_len] += 1
         if self._buffers is not None:
             self._check_addresses()
         return graph.replay()
@@ -152,7 +157,7 @@ class GraphRunner:
         graph = self._capture_one(mode, desc, lambda: ran.append(self._eager(eager)))
         if ran:
             return ran[0]
-        return self._replay(mode, graph) if graph is not None else self._eager(eager)
+        return self._replay(mode, desc, graph) if graph is not None else self._eager(eager)
 
     def capture(
         self,
@@ -299,5 +304,6 @@ class GraphRunner:
             "graph_memory_bytes": self.graph_memory_bytes,
             "warmups": self.num_warmups,
             "steps": {m.value: self.steps[m] for m in RUNTIME_MODES},
+            "full_decode_steps": {str(q): n for q, n in sorted(self.full_decode_steps.items())},
             "padded_tokens": self.padded_tokens,
         }

@@ -34,6 +34,7 @@ class Facts:
     support: GraphSupport
     max_tokens: int | None  # largest token capture size
     max_reqs: int | None  # largest FULL decode capture size
+    decode_query_len: int  # largest uniform decode query length: 1 + speculative tokens
 
     @classmethod
     def of(cls, config: EngineConfig, plan: CapturePlan) -> Facts:
@@ -45,6 +46,7 @@ class Facts:
             support=get_attention_backend(config.attention_backend).graph_support,
             max_tokens=plan.token_sizes[-1] if plan.token_sizes else None,
             max_reqs=plan.decode_sizes[-1] if plan.decode_sizes else None,
+            decode_query_len=plan.decode_query_lens[-1],
         )
 
 
@@ -96,10 +98,18 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "backend_full_for_decode_only",
-        lambda f: f.support is GraphSupport.UNIFORM_DECODE,
+        lambda f: f.support in (GraphSupport.UNIFORM_DECODE, GraphSupport.SINGLE_TOKEN_DECODE),
         {FULL: FULL_AND_PIECEWISE},
         "attention backend '{backend}' can be captured in FULL graphs of uniform decode batches "
         "only, so {mode} becomes {new}: mixed batches use piecewise graphs",
+    ),
+    Rule(
+        "backend_full_for_single_token_decode",
+        lambda f: f.support is GraphSupport.SINGLE_TOKEN_DECODE and f.decode_query_len > 1,
+        {FULL_AND_PIECEWISE: PIECEWISE, FULL_DECODE_ONLY: NONE},
+        "attention backend '{backend}' can be captured in FULL graphs of one-token decodes "
+        "only, but speculative decoding verifies {decode_query_len} tokens per request, so "
+        "{mode} becomes {new}",
     ),
     Rule(
         "no_token_capture_sizes",

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import replace
 
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
-from ostinato.graphs.plan import CapturePlan
+from ostinato.graphs.plan import CapturePlan, padded_size
 
 NONE, PIECEWISE, FULL = CudaGraphMode.NONE, CudaGraphMode.PIECEWISE, CudaGraphMode.FULL
 
@@ -14,25 +13,34 @@ NONE, PIECEWISE, FULL = CudaGraphMode.NONE, CudaGraphMode.PIECEWISE, CudaGraphMo
 class Dispatcher:
     """Keys for a resolved mode and its plan (both after compat.resolve).
 
-    - Uniform decode (every request has query length q = plan.decode_query_len) with a separate
-      decode routine: FULL key (num_reqs padded, num_tokens = num_reqs * q) when captured.
+    - Uniform decode (every request has query length q, q one of plan.decode_query_lens) with
+      a separate decode routine: FULL key (num_reqs padded, num_tokens = num_reqs * q) when
+      captured.
     - Otherwise the mixed mode by padded num_tokens: PIECEWISE key (num_tokens only), or in
       mode full a FULL key whose num_reqs is min(num_tokens, max_num_seqs): padded requests
       have zero lengths, so one graph serves any batch of up to that many tokens.
     - Otherwise NONE with the unpadded descriptor (eager).
-    dispatch() only returns keys listed by descriptors(): capture exactly those.
+    dispatch() only returns keys listed by descriptors(): capture exactly those. Keys in
+    `dropped` (their capture failed) are left out: batches pad past them.
     """
 
-    def __init__(self, mode: CudaGraphMode, plan: CapturePlan) -> None:
-        self.mode, self.plan = mode, plan
-        q = plan.decode_query_len
+    def __init__(
+        self,
+        mode: CudaGraphMode,
+        plan: CapturePlan,
+        dropped: frozenset[BatchDescriptor] = frozenset(),
+    ) -> None:
+        self.mode, self.plan, self.dropped = mode, plan, dropped
         self._token_mode = mode.mixed_mode
+        decode_qs = plan.decode_query_lens if mode.separate_decode else ()
         self._decode_keys = {
-            r: BatchDescriptor(r * q, r, q) for r in plan.decode_sizes if mode.separate_decode
+            q: _kept({r: BatchDescriptor(r * q, r, q) for r in plan.decode_sizes}, dropped)
+            for q in decode_qs
         }
-        self._token_keys = {
-            t: self._token_key(t) for t in plan.token_sizes if self._token_mode is not NONE
-        }
+        token_sizes = plan.token_sizes if self._token_mode is not NONE else ()
+        self._token_keys = _kept({t: self._token_key(t) for t in token_sizes}, dropped)
+        self._decode_sizes = {q: tuple(keys) for q, keys in self._decode_keys.items()}
+        self._token_sizes = tuple(self._token_keys)
 
     def _token_key(self, num_tokens: int) -> BatchDescriptor:
         if self._token_mode is FULL:
@@ -42,39 +50,45 @@ class Dispatcher:
     def dispatch(
         self, num_tokens: int, num_reqs: int, uniform_query_len: int | None
     ) -> tuple[CudaGraphMode, BatchDescriptor]:
-        if uniform_query_len == self.plan.decode_query_len and self._decode_keys:
-            padded = self.plan.pad_reqs(num_reqs)
+        sizes = self._decode_sizes.get(uniform_query_len)
+        if sizes:
+            padded = padded_size(sizes, num_reqs)
             if padded is not None:
-                return FULL, self._decode_keys[padded]
-        if self._token_keys:
-            padded = self.plan.pad_tokens(num_tokens)
+                return FULL, self._decode_keys[uniform_query_len][padded]
+        if self._token_sizes:
+            padded = padded_size(self._token_sizes, num_tokens)
             if padded is not None:
                 return self._token_mode, self._token_keys[padded]
         return NONE, BatchDescriptor(num_tokens, num_reqs, uniform_query_len)
 
     def descriptors(self) -> dict[CudaGraphMode, list[BatchDescriptor]]:
-        """Every key dispatch() can return, per runtime mode, in ascending size."""
+        """Every key dispatch() can return, per runtime mode, in ascending size per q."""
         keys: dict[CudaGraphMode, list[BatchDescriptor]] = {FULL: [], PIECEWISE: []}
-        keys[FULL] += self._decode_keys.values()
+        for decode_keys in self._decode_keys.values():
+            keys[FULL] += decode_keys.values()
         if self._token_keys:
             keys[self._token_mode] += self._token_keys.values()
         return keys
 
     def capture_sizes(self) -> dict[str, list[int]]:
-        """Sizes per runtime mode: num_reqs of decode keys, num_tokens of token keys."""
-        tokens = list(self._token_keys)
+        """Sizes per runtime mode: num_reqs of decode keys and num_tokens of token keys
+        ("full", "piecewise"), and the num_tokens of every FULL key ("full_tokens": with
+        speculative decoding they reach max_num_seqs * (1 + k))."""
+        tokens = list(self._token_sizes)
+        full_tokens = tokens if self._token_mode is FULL else []
+        decode_reqs = sorted({r for sizes in self._decode_sizes.values() for r in sizes})
         return {
-            "full": list(self._decode_keys) + (tokens if self._token_mode is FULL else []),
+            "full": decode_reqs + full_tokens,
             "piecewise": tokens if self._token_mode is PIECEWISE else [],
+            "full_tokens": sorted({d.num_tokens for d in self.descriptors()[FULL]}),
         }
 
     def without(self, dropped: Iterable[BatchDescriptor]) -> Dispatcher:
         """The same dispatcher minus some keys (sizes whose capture failed)."""
-        gone = set(dropped)
-        kept = lambda keys, sizes: tuple(s for s in sizes if keys.get(s) not in gone)
-        plan = replace(
-            self.plan,
-            decode_sizes=kept(self._decode_keys, self.plan.decode_sizes),
-            token_sizes=kept(self._token_keys, self.plan.token_sizes),
-        )
-        return Dispatcher(self.mode, plan)
+        return Dispatcher(self.mode, self.plan, self.dropped | frozenset(dropped))
+
+
+def _kept(
+    keys: dict[int, BatchDescriptor], dropped: frozenset[BatchDescriptor]
+) -> dict[int, BatchDescriptor]:
+    return {size: key for size, key in keys.items() if key not in dropped}

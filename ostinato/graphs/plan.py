@@ -34,23 +34,28 @@ class CapturePlan:
     """token_sizes: padded num_tokens of PIECEWISE graphs (and of FULL graphs in mode full),
     bounded by max_capture_size and max_num_batched_tokens.
     decode_sizes: padded num_reqs of FULL uniform-decode graphs (num_tokens = num_reqs * q),
-    bounded by max_num_seqs and max_num_batched_tokens // q.
+    one ladder for every q in decode_query_lens, bounded by max_num_seqs and
+    max_num_batched_tokens // the largest q.
+    decode_query_lens: 1, and with speculative decoding also 1 + k (a verify step): a step
+    where no request has a draft decodes one token each and replays the q = 1 graphs.
     """
 
     token_sizes: tuple[int, ...]
     decode_sizes: tuple[int, ...]
     max_num_seqs: int
-    decode_query_len: int = 1  # q = 1 + speculative tokens; 1 until speculative decoding exists
+    decode_query_lens: tuple[int, ...] = (1,)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, decode_query_len: int = 1) -> CapturePlan:
+    def from_config(cls, config: EngineConfig) -> CapturePlan:
+        k = config.num_speculative_tokens
+        query_lens = (1, 1 + k) if k else (1,)
         max_tokens = min(config.max_capture_size, config.max_num_batched_tokens)
-        max_reqs = min(config.max_num_seqs, config.max_num_batched_tokens // decode_query_len)
+        max_reqs = min(config.max_num_seqs, config.max_num_batched_tokens // query_lens[-1])
         return cls(
             token_sizes=ladder(max_tokens, config.capture_sizes),
             decode_sizes=ladder(max_reqs, config.capture_sizes),
             max_num_seqs=config.max_num_seqs,
-            decode_query_len=decode_query_len,
+            decode_query_lens=query_lens,
         )
 
     def pad_tokens(self, num_tokens: int) -> int | None:

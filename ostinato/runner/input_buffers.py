@@ -18,7 +18,7 @@ _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_bloc
     "query_start_loc": (torch.int32, lambda t, r, b: (r + 1,)),
     "seq_lens": (torch.int32, lambda t, r, b: (r,)),
     "block_table": (torch.int32, lambda t, r, b: (r, b)),
-    "logits_indices": (torch.int64, lambda t, r, b: (r,)),
+    "logits_indices": (torch.int64, lambda t, r, b: (t,)),  # a row per token at most (drafts)
 }
 
 
@@ -56,12 +56,13 @@ class InputBuffers:
         h["seq_lens"][:r] = step.seq_lens
         h["seq_lens"][r:num_reqs] = 0
         h["block_table"][:r, :width] = step.block_table
-        h["logits_indices"][: len(step.logits_indices)] = step.logits_indices
+        num_rows = len(step.logits_indices)
+        h["logits_indices"][:num_rows] = step.logits_indices
         d, host = self.device, self.host
         for name in ("input_ids", "positions", "slot_mapping"):
             d[name][:num_tokens].copy_(host[name][:num_tokens], True)
-        for name in ("seq_lens", "logits_indices"):
-            d[name][:num_reqs].copy_(host[name][:num_reqs], True)
+        d["seq_lens"][:num_reqs].copy_(host["seq_lens"][:num_reqs], True)
+        d["logits_indices"][:num_rows].copy_(host["logits_indices"][:num_rows], True)
         qsl = host["query_start_loc"][: num_reqs + 1]
         d["query_start_loc"][: num_reqs + 1].copy_(qsl, True)
         bt = host["block_table"][:num_reqs, :width]

@@ -157,12 +157,12 @@ class ModelRunner:
         """Room for the graph pool: graphs share one pool, so it holds about twice the
         activations of the largest captured step, plus a few MiB of each graph's own state
         (on the H100: 0.20 GiB measured for qwen3-0.6b's 48 graphs, 0.27 GiB for llama-3.1-8b)."""
-        sizes = self.graphs.dispatcher.capture_sizes()
-        largest = max(sizes["full"] + sizes["piecewise"], default=0)
+        keys = self.graphs.dispatcher.descriptors().values()
+        largest = max((d.num_tokens for descs in keys for d in descs), default=0)
         if not largest:
             return 0
         share = min(1.0, largest / self.config.max_num_batched_tokens)
-        num_graphs = len(sizes["full"]) + len(sizes["piecewise"])
+        num_graphs = sum(len(descs) for descs in keys)
         return int(activation * share * 2) + num_graphs * 4 * 2**20
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
@@ -203,15 +203,13 @@ class ModelRunner:
         self.sampler.forget(step.finished)
         if not step.sampling:
             return None
-        logits = self._logits(out, len(step.sampling))
+        logits = self._logits(out, len(step.logits_indices))
         if tp_group().rank != 0:
             return None
         return self.sampler(logits, step.sampling)
 
-    def _logits(self, hidden: torch.Tensor, num_sampled: int) -> torch.Tensor:
-        return self.model.compute_logits(
-            hidden[self.buffers.device["logits_indices"][:num_sampled]]
-        )
+    def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+        return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_rows]])
 
     def _intermediate(self, num_tokens: int) -> IntermediateTensors:
         return _rows(self.intermediate, num_tokens)
@@ -269,13 +267,14 @@ class ModelRunner:
         return self.graphs.report()
 
     def _run_dummy(self, num_tokens: int) -> None:
-        """Profile a peak step: forward, and on the last stage logits and softmax for a full
-        batch of fake tokens."""
+        """Profile a peak step: forward, and on the last stage logits and softmax for the most
+        rows a step can sample (a row per request, and one per draft token)."""
         num_reqs = min(self.config.max_num_seqs, num_tokens)
         self.buffers.load(self._dummy(num_tokens, num_reqs))
         out = self._forward(num_tokens, num_reqs)
         if self.rank.is_last_stage:
-            self._logits(out, num_reqs).float().softmax(dim=-1)
+            rows = min(num_tokens, num_reqs * (1 + self.config.num_speculative_tokens))
+            self.model.compute_logits(out[:rows]).float().softmax(dim=-1)
 
 
 def _rows(x: StageOutput, n: int) -> StageOutput:

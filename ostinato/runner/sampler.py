@@ -1,4 +1,4 @@
-"""Turn the last-token logits of each request into its next token."""
+"""Turn logits into tokens: one per request, or with draft tokens, the accepted drafts plus one."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.runner.step import SamplingRow
+from ostinato.spec.rejection import accepted_prefix, rejection_sample
 
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+    token_ids: list[list[int]]  # per sampling row: its accepted drafts, then one sampled token
+    logprobs: list[list[dict[int, float]] | None]  # per sampling row, one entry per token
 
 
 class Sampler:
@@ -26,16 +27,31 @@ class Sampler:
         for request_id in request_ids:
             self.generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> SamplerOutput:
-        """logits [n, vocab] for seqs, in order."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [sum of 1 + len(row.draft_token_ids), vocab]: each row's logits rows in
+        order (see SamplingRow)."""
         logits = logits.float()
-        params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
+        owners = [row for row in rows for _ in range(1 + len(row.draft_token_ids))]
+        speculating = any(row.draft_token_ids for row in rows)
+        drafts = [t for row in rows for t in (*row.draft_token_ids, -1)] if speculating else []
+        if all(row.params.greedy for row in rows):  # verified on the host: no more GPU work
+            token_list = logits.argmax(dim=-1).tolist()
+            accepted_list = (
+                [d == t for d, t in zip(drafts, token_list, strict=True)] if drafts else []
+            )
         else:
-            tokens = self._sample(logits, seqs)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, token_list, seqs))
+            tokens, accepted = self._sample(logits, owners, drafts)
+            if accepted is None:
+                token_list, accepted_list = tokens.tolist(), []
+            else:  # one device-to-host copy
+                token_list, accepted_list = torch.stack((tokens, accepted.long())).tolist()
+        out_tokens, out_rows, start = [], [], 0
+        for row in rows:
+            a = accepted_prefix(accepted_list, start, len(row.draft_token_ids))
+            out_tokens.append([*row.draft_token_ids[:a], token_list[start + a]])
+            out_rows.append(range(start, start + a + 1))
+            start += 1 + len(row.draft_token_ids)
+        return SamplerOutput(out_tokens, self._logprobs(logits, rows, out_tokens, out_rows))
 
     def _generator(self, row: SamplingRow) -> torch.Generator | None:
         if row.params.seed is None:
@@ -44,43 +60,82 @@ class Sampler:
             self.generators[row.request_id] = torch.Generator().manual_seed(row.params.seed)
         return self.generators[row.request_id]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, owners: list[SamplingRow], draft_list: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens per logits row (owners[i] owns row i), and with drafts (one per
+        row, -1 for none) whether each row's draft stands (rejection sampling)."""
         device = logits.device
-        temps = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
-        temps = torch.tensor(temps, device=device)
-        scaled = logits / temps[:, None]
-        if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in seqs):
-            scaled = _top_k_top_p(scaled, seqs)
+        drafts = torch.tensor(draft_list, device=device) if draft_list else None
+        temps = [1.0 if s.params.greedy else s.params.temperature for s in owners]
+        scaled = logits / torch.tensor(temps, device=device)[:, None]
+        if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in owners):
+            scaled = _top_k_top_p(scaled, owners)
         probs = scaled.softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p, one noise draw per row.
         noise = torch.empty_like(probs).exponential_()
-        for i, seq in enumerate(seqs):
-            generator = self._generator(seq)
+        uniforms = torch.rand(len(owners), device=device) if drafts is not None else None
+        self._seeded_draws(owners, noise, uniforms)
+        greedy = torch.tensor([s.params.greedy for s in owners], device=device)
+        argmax = logits.argmax(dim=-1)
+        if drafts is None:
+            return torch.where(greedy, argmax, (probs / noise).argmax(dim=-1)), None
+        sampled, accepted = rejection_sample(probs, drafts, noise, uniforms)
+        return (
+            torch.where(greedy, argmax, sampled),
+            torch.where(greedy, drafts == argmax, accepted),
+        )
+
+    def _seeded_draws(
+        self, owners: list[SamplingRow], noise: torch.Tensor, uniforms: torch.Tensor | None
+    ) -> None:
+        """Replace the draws of seeded requests' rows with draws from their own generators:
+        per step an Exp(1) row per logits row, then, with drafts, a uniform per logits row."""
+        start = 0
+        while start < len(owners):
+            row = owners[start]
+            width = 1 + len(row.draft_token_ids)
+            generator = self._generator(row)
             if generator is not None:
-                row = torch.empty(probs.shape[1]).exponential_(generator=generator)
-                noise[i] = row.to(device)
-        sampled = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([s.params.greedy for s in seqs], device=device)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+                rows = torch.empty(width, noise.shape[1]).exponential_(generator=generator)
+                noise[start : start + width] = rows.to(noise.device)
+                if uniforms is not None:
+                    u = torch.rand(width, generator=generator)
+                    uniforms[start : start + width] = u.to(uniforms.device)
+            start += width
 
     def _logprobs(
-        self, logits: torch.Tensor, tokens: list[int], seqs: list[SamplingRow]
-    ) -> list[dict[int, float] | None]:
-        wanted = [s.params.logprobs for s in seqs]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        tokens: list[list[int]],
+        picked: list[range],
+    ) -> list[list[dict[int, float]] | None]:
+        """Top-N logprobs (N = the row's params.logprobs) and the chosen token's, from the
+        logits row that produced each output token."""
+        wanted = [row.params.logprobs for row in rows]
         if all(n is None for n in wanted):
-            return [None] * len(seqs)
-        logprobs = logits.log_softmax(dim=-1)
+            return [None] * len(rows)
+        index = [i for r in picked for i in r]
+        flat = [t for ts in tokens for t in ts]
+        device = logits.device
+        logprobs = logits[torch.tensor(index, device=device)].log_softmax(dim=-1)
         top = logprobs.topk(max(n or 0 for n in wanted) or 1, dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+        chosen = logprobs.gather(1, torch.tensor(flat, device=device)[:, None])
         top_ids, top_vals, chosen = top.indices.tolist(), top.values.tolist(), chosen.tolist()
-        out: list[dict[int, float] | None] = []
-        for i, n in enumerate(wanted):
+        out: list[list[dict[int, float]] | None] = []
+        k = 0
+        for n, ts in zip(wanted, tokens, strict=True):
             if n is None:
                 out.append(None)
+                k += len(ts)
                 continue
-            entry = dict(zip(top_ids[i][:n], top_vals[i][:n], strict=True))
-            entry[tokens[i]] = chosen[i][0]
-            out.append(entry)
+            entries = []
+            for t in ts:
+                entry = dict(zip(top_ids[k][:n], top_vals[k][:n], strict=True))
+                entry[t] = chosen[k][0]
+                entries.append(entry)
+                k += 1
+            out.append(entries)
         return out
 
 

@@ -17,10 +17,13 @@ Dispatch = Callable[[int, int, int | None], tuple[CudaGraphMode, BatchDescriptor
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One request that samples this step: the row of logits it owns, in order."""
+    """One request that samples this step. It owns 1 + len(draft_token_ids) consecutive logits
+    rows, in order: row j verifies draft j (it predicts the token after draft j - 1, or after
+    the request's last token for j = 0), the last one gives the token after every draft."""
 
     request_id: str
     params: SamplingParams
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -29,7 +32,7 @@ class StepInput:
 
     Arrays: tokens [num_tokens], requests [num_reqs] (+1 for query_start_loc), block_table
     [num_reqs, widest request's blocks], logits_indices [rows whose logits are computed: one
-    per sampling row].
+    per sampling row and draft token].
     """
 
     mode: CudaGraphMode
@@ -65,17 +68,21 @@ class StepInput:
 def build_step(
     batch: ScheduledBatch, block_size: int, dispatch: Dispatch, finished: tuple[str, ...] = ()
 ) -> StepInput:
-    """Token-level arrays of `batch`, vectorised over tokens, and its graph decision."""
-    seqs, n = batch.seqs, len(batch.seqs)
+    """Token-level arrays of `batch`, vectorised over tokens, and its graph decision. A
+    request's draft tokens follow its last token; each sampling request gets a logits row for
+    its last token and one per draft."""
+    seqs, drafts, n = batch.seqs, batch.drafts, len(batch.seqs)
     mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n)
     q = np.asarray(batch.query_lens, dtype=np.int64)
     ends = starts + q
     query_start_loc = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(q, out=query_start_loc[1:])
     input_ids = np.fromiter(
-        (t for s, a, b in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
-         for t in s.token_ids[a:b]),
+        (t for s, d, a, b in zip(seqs, drafts, starts.tolist(), (ends - num_drafts).tolist(),
+                                 strict=True)
+         for t in (s.token_ids[a:b] + d if d else s.token_ids[a:b])),
         np.int64,
         batch.num_tokens,
     )  # fmt: skip
@@ -88,9 +95,11 @@ def build_step(
         block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    sampled = [
-        i for i, (s, end) in enumerate(zip(seqs, ends.tolist(), strict=True)) if end == len(s)
-    ]
+    sampled = np.asarray(
+        [i for i, (s, end) in enumerate(zip(seqs, (ends - num_drafts).tolist(), strict=True))
+         if end == len(s)],
+        dtype=np.int64,
+    )  # fmt: skip
     return StepInput(
         mode=mode,
         desc=desc,
@@ -100,11 +109,19 @@ def build_step(
         query_start_loc=query_start_loc,
         seq_lens=ends.astype(np.int32),
         block_table=block_table,
-        logits_indices=query_start_loc[np.asarray(sampled, dtype=np.int64) + 1].astype(np.int64)
-        - 1,
-        sampling=[SamplingRow(seqs[i].request_id, seqs[i].params) for i in sampled],
+        logits_indices=_logits_rows(query_start_loc[sampled + 1], 1 + num_drafts[sampled]),
+        sampling=[
+            SamplingRow(seqs[i].request_id, seqs[i].params, tuple(drafts[i]))
+            for i in sampled.tolist()
+        ],
         finished=finished,
     )
+
+
+def _logits_rows(ends: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The last widths[i] token rows before each ends[i], in order."""
+    offsets = np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)
+    return np.repeat(ends.astype(np.int64) - widths, widths) + offsets
 
 
 def dummy_step(num_tokens: int, num_reqs: int, max_model_len: int, block_size: int) -> StepInput:

@@ -42,6 +42,24 @@ ENGINE_METRICS = (
         "Prefix cache hits over queries since start.",
         "prefix_cache_hit_rate",
     ),
+    (
+        "ostinato_spec_draft_tokens_total",
+        "counter",
+        "Draft tokens verified by speculative decoding.",
+        "spec_draft_tokens",
+    ),
+    (
+        "ostinato_spec_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted by speculative decoding.",
+        "spec_accepted_tokens",
+    ),
+    (
+        "ostinato_spec_acceptance_rate",
+        "gauge",
+        "Accepted over verified draft tokens since start.",
+        "spec_acceptance_rate",
+    ),
 )
 
 
