@@ -212,3 +212,147 @@ def test_preemption_spares_requests_in_flight():
     a.token_ids.extend([9] * 5)  # a needs a third block while b is in flight
     assert sched.schedule() is None  # a preempts itself, never b
     assert b in sched.in_flight and b.block_ids and a.status is SequenceStatus.WAITING
+
+
+# ---- speculative decoding ---------------------------------------------------------------
+def make_spec_scheduler(num_blocks: int, k: int = 3, max_tokens: int = 32, **kw):
+    config = EngineConfig(
+        device="cpu",
+        block_size=BS,
+        max_num_batched_tokens=max_tokens,
+        max_model_len=kw.pop("max_model_len", 64),
+        speculative_method="ngram",
+        num_speculative_tokens=k,
+        **kw,
+    )
+    bm = BlockManager(num_blocks, BS)
+    return Scheduler(config, bm), bm
+
+
+def decoding(sched: Scheduler, *prompts: list[int]) -> list[Sequence]:
+    """Running requests r0, r1, ... whose prompts are computed in one step and whose first
+    output token (a copy of the prompt's last) is appended."""
+    seqs = [Sequence(f"r{i}", p, SamplingParams()) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == seqs and batch.query_lens == [len(p) for p in prompts]
+    sched.complete(batch)
+    for seq in seqs:
+        seq.token_ids.append(seq.token_ids[-1])
+    return seqs
+
+
+def test_a_repeating_decode_verifies_k_drafts_and_keeps_only_accepted_ones():
+    sched, bm = make_spec_scheduler(num_blocks=16)
+    (seq,) = decoding(sched, [1, 2, 3, 1, 2, 3, 1])
+    seq.token_ids[-1] = 2  # the context ends "3 1 2": the proposer continues 3 1 2
+    batch = sched.schedule()
+    assert batch.drafts == [[3, 1, 2]] and batch.query_lens == [4]
+    assert batch.uniform_query_len == 4
+    assert len(seq.block_ids) * BS >= 8 + 3  # blocks for the draft positions too
+    seq.token_ids += [3, 9]  # one draft accepted, then a corrected token
+    sched.complete(batch, {"r0": 1})
+    assert seq.num_computed_tokens == 9  # 7 prompt + the decoded token + one draft
+    assert seq.num_uncomputed_tokens == 1
+    assert len(bm.block_of_hash) == 2  # full blocks of verified tokens only (8 of 9)
+
+
+def test_without_any_proposal_the_batch_is_a_plain_decode():
+    sched, _ = make_spec_scheduler(num_blocks=16)
+    a, b = decoding(sched, [1, 2, 3], [4, 5, 6])
+    a.token_ids[-1], b.token_ids[-1] = 40, 41  # last tokens seen nowhere before
+    batch = sched.schedule()
+    assert batch.drafts == [[], []] and batch.uniform_query_len == 1
+
+
+def test_requests_without_a_proposal_are_padded_so_the_batch_stays_uniform():
+    sched, _ = make_spec_scheduler(num_blocks=16)
+    a, b = decoding(sched, [1, 2, 3], [4, 5, 6])
+    b.token_ids[-1] = 50  # nothing to match
+    batch = sched.schedule()
+    assert batch.drafts[batch.seqs.index(a)] == [3, 3, 3]  # "3 3" loops
+    assert batch.drafts[batch.seqs.index(b)] == [50, 50, 50]  # padded: its last token
+    assert batch.uniform_query_len == 4 and batch.num_tokens == 8
+
+
+def test_drafts_stop_at_max_model_len():
+    sched, _ = make_spec_scheduler(num_blocks=32, max_model_len=12)
+    (seq,) = decoding(sched, [7] * 9)  # 10 tokens: positions 9, 10 and 11 are left
+    batch = sched.schedule()
+    assert batch.drafts == [[7, 7]] and len(seq.block_ids) * BS == 12
+
+
+def test_drafts_stop_at_the_token_budget():
+    sched, _ = make_spec_scheduler(num_blocks=32, max_tokens=6, k=4)
+    decoding(sched, [1, 1], [2, 2])
+    batch = sched.schedule()
+    assert batch.query_lens == [5, 1] and batch.drafts == [[1] * 4, []]
+    assert batch.uniform_query_len is None
+
+
+def test_drafts_never_preempt_another_request():
+    sched, bm = make_spec_scheduler(num_blocks=4, max_num_seqs=2)
+    a, b = decoding(sched, [1] * 7, [2] * 7)  # 8 tokens each: 2 blocks each
+    assert bm.num_free_blocks == 0
+    batch = sched.schedule()  # drafts would need a third block each
+    assert batch.drafts == [[], []] and sched.num_preemptions == 0
+    assert a.status is b.status is SequenceStatus.RUNNING
+
+
+@pytest.mark.parametrize("num_blocks", [64, 10])
+def test_speculation_gives_the_same_tokens_and_valid_kv_as_plain_decoding(num_blocks):
+    """A fake model whose next token is a function of the whole context verifies the drafts
+    as the sampler would. Every step writes its tokens into a fake KV cache; after each
+    completion every computed position must hold its token (rejected drafts never count, and
+    prefix-cache blocks hold what their hash says), with tight blocks forcing preemption."""
+
+    def token_of(context: list[int]) -> int:
+        # runs of one token, broken by a function of the context: drafts are often right
+        return (context[-1] + (sum(context) % 5 == 0)) % 6
+
+    def run(spec: bool):
+        make = make_spec_scheduler if spec else make_scheduler
+        kw = {"max_tokens": 16} | ({"max_num_seqs": 4} if spec else {"max_seqs": 4})
+        sched, bm = make(num_blocks=num_blocks, **kw)
+        rng = random.Random(1)
+        seqs = [
+            Sequence(f"r{i}", [rng.randrange(6) for _ in range(rng.randint(2, 9))], SamplingParams())
+            for i in range(5)
+        ]
+        for s in seqs:
+            sched.add(s)
+        kv: dict[tuple[int, int], int] = {}
+        accepted_total = 0
+        for _ in range(500):
+            batch = sched.schedule()
+            if batch is None:
+                break
+            accepted = {}
+            for seq, q, drafts in zip(batch.seqs, batch.query_lens, batch.drafts, strict=True):
+                start = seq.num_computed_tokens
+                inputs = seq.token_ids[start : start + q - len(drafts)] + drafts
+                for pos, token in enumerate(inputs, start):
+                    kv[seq.block_ids[pos // BS], pos % BS] = token
+                if start + q - len(drafts) != len(seq):
+                    continue  # a prefill chunk that samples nothing
+                new = [token_of(seq.token_ids)]
+                while len(new) <= len(drafts) and drafts[len(new) - 1] == new[-1]:
+                    new.append(token_of(seq.token_ids + new))
+                accepted[seq.request_id] = len(new) - 1
+                accepted_total += len(new) - 1
+                seq.token_ids += new[: 12 - seq.num_output_tokens]
+                if seq.num_output_tokens == 12:  # as the engine does: before completion
+                    sched.finish(seq, "length")
+            sched.complete(batch, accepted)
+            for seq in sched.running:
+                for pos in range(seq.num_computed_tokens):
+                    assert kv[seq.block_ids[pos // BS], pos % BS] == seq.token_ids[pos]
+        assert not sched.has_unfinished() and bm.num_free_blocks == num_blocks
+        return [s.output_token_ids for s in seqs], accepted_total, sched.num_preemptions
+
+    plain, _, _ = run(spec=False)
+    speculative, accepted, preemptions = run(spec=True)
+    assert speculative == plain
+    assert accepted > 10
+    assert (preemptions > 0) == (num_blocks == 10)

@@ -75,3 +75,20 @@ def test_sampler_keeps_a_seeded_requests_state_until_it_is_forgotten():
     assert "a" not in sampler.generators
     assert [sampler(logits, [row]).token_ids[0][0] for _ in range(8)] == first
     assert len(set(first)) > 1  # the state advanced between steps
+
+
+def test_drafts_follow_the_last_token_and_each_gets_a_logits_row():
+    a = seq("a", [10, 11, 12], computed=2, blocks=[5, 7])  # last token 12 at 2, drafts 13 14
+    b = seq("b", [20, 21, 22, 23, 24], computed=4, blocks=[6, 2])  # drafts 25 26
+    c = seq("c", list(range(30, 40)), computed=0, blocks=[1, 3, 4])  # a 6-token prefill chunk
+    batch = ScheduledBatch([a, b, c], [3, 3, 6], [[13, 14], [25, 26], []])
+    assert batch.uniform_query_len is None  # c is not a decode
+    step = build_step(batch, BS, eager)
+    assert step.input_ids.tolist() == [12, 13, 14, 24, 25, 26, *range(30, 36)]
+    assert step.positions.tolist() == [2, 3, 4, 4, 5, 6, 0, 1, 2, 3, 4, 5]
+    assert step.seq_lens.tolist() == [5, 7, 6]
+    drafts_slots = [5 * BS + 2, 5 * BS + 3, 7 * BS + 0, 2 * BS + 0, 2 * BS + 1, 2 * BS + 2]
+    assert step.slot_mapping[:6].tolist() == drafts_slots
+    assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]  # c samples nothing yet
+    assert [r.draft_token_ids for r in step.sampling] == [(13, 14), (25, 26)]
+    assert ScheduledBatch([a, b], [3, 3], [[13, 14], [25, 26]]).uniform_query_len == 3

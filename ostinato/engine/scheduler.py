@@ -136,9 +136,12 @@ class Scheduler:
 
     def _schedule_running(self, seq: Sequence, drafts: list[int]) -> None:
         """Allocate blocks for seq's next chunk (and its drafts, as far as the token budget
-        allows), preempting the newest requests that are not in flight if needed."""
+        and the free blocks allow), preempting the newest requests that are not in flight if
+        needed."""
         n = min(seq.num_uncomputed_tokens, self._budget)
         drafts = drafts[: self._budget - n]
+        if not self.block_manager.can_allocate(seq, n + len(drafts)):
+            drafts = []  # drafts are a bet: never preempt a request for their blocks
         while not self.block_manager.can_allocate(seq, n + len(drafts)):
             victim = next(s for s in reversed(self.running) if s not in self.in_flight)
             self._preempt(victim)
