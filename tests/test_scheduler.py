@@ -317,7 +317,9 @@ def test_speculation_gives_the_same_tokens_and_valid_kv_as_plain_decoding(num_bl
         sched, bm = make(num_blocks=num_blocks, **kw)
         rng = random.Random(1)
         seqs = [
-            Sequence(f"r{i}", [rng.randrange(6) for _ in range(rng.randint(2, 9))], SamplingParams())
+            Sequence(
+                f"r{i}", [rng.randrange(6) for _ in range(rng.randint(2, 9))], SamplingParams()
+            )
             for i in range(5)
         ]
         for s in seqs:

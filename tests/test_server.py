@@ -288,3 +288,30 @@ def test_queue_limit_503_then_sigterm_aborts_and_exits_zero(tmp_path):
         assert srv.proc.wait(timeout=20) == 0
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_client(tmp_path_factory):
+    flags = _flags(CONFIG | {"speculative_method": "ngram", "num_speculative_tokens": 3})
+    srv = Server(flags, tmp_path_factory.mktemp("spec") / "server.log")
+    yield srv, openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+    assert srv.stop() == 0, srv.log.read_text()
+
+
+def test_speculative_server_streams_what_plain_decoding_gives(spec_client, llm):
+    """Steps that append several tokens stream them as one chunk: the text, the stop cut and
+    the logprobs are those of decoding without drafts; /metrics counts the drafts."""
+    server, client = spec_client
+    kwargs = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 24, "temperature": 0}
+    full = _greedy(llm, PROMPTS[1:2], 24)[0]
+    chunks = list(client.completions.create(**kwargs, stream=True, logprobs=1, extra_body=EXACT))
+    assert "".join(c.choices[0].text for c in chunks) == full
+    per_chunk = [len(c.choices[0].logprobs.tokens) for c in chunks]
+    assert sum(per_chunk) == 24 and max(per_chunk) > 1
+    stop = full[6:8]
+    r = client.completions.create(**kwargs, stop=[stop], extra_body=EXACT)
+    assert r.choices[0].text == full[: full.find(stop)]
+    m = server.metrics()
+    assert m["ostinato_spec_accepted_tokens_total"] > 0
+    assert m["ostinato_spec_draft_tokens_total"] >= m["ostinato_spec_accepted_tokens_total"]
+    assert 0 < m["ostinato_spec_acceptance_rate"] <= 1
