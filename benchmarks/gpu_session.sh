@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_session.sh generate M  # ostinato generate with model M
 #   bash benchmarks/gpu_session.sh parallel    # two GPUs: pipeline / tensor parallel tests
 #   bash benchmarks/gpu_session.sh parallel-bench M  # two GPUs: P=1 vs P=2 vs T=2 benches
+#   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -93,12 +94,28 @@ serve)
   done
   grep -i -E "error|traceback" "$OUT/serve.err" | tail -n 10
   ;;
+spec)
+  # Batch 1 and 8, copy-heavy and no-repeat workloads, plain decoding then n-gram speculation
+  # (k = 4); benchmarks/spec_report.py pairs them against the targets of issue 12.
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  for workload in copy norepeat; do
+    for spec in "" "--speculative-method ngram --num-speculative-tokens 4"; do
+      # shellcheck disable=SC2086  # $spec is two flags or none
+      python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,8 \
+        --input-len 512 --output-len 128 --iters 3 --max-model-len 2048 \
+        --workload "$workload" $spec 2>>"$OUT/spec.err" | tee -a "$OUT/spec.jsonl"
+    done
+  done
+  python3 benchmarks/spec_report.py "$OUT/spec.jsonl" | tee "$OUT/spec.md"
+  grep -v "it/s\]" "$OUT/spec.err" | tail -n 15
+  ;;
 generate)
   python3 -m ostinato.cli generate --model "${2:?model}" --max-tokens 16 --max-model-len 2048 \
     "The capital of France is" 2>&1 | tail -n 8 | tee "$OUT/generate.txt"
   ;;
 *)
-  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | generate MODEL | parallel | parallel-bench MODEL" >&2
+  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | generate MODEL | parallel | parallel-bench MODEL" >&2
   exit 2
   ;;
 esac

@@ -53,6 +53,13 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
     kinds.choices["latency"].add_argument(
         "--iters", type=int, default=3, help="timed runs; the median is reported (default 3)"
     )
+    kinds.choices["latency"].add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="random",
+        help="random: random prompts, greedy; copy: prompts holding a span the answer repeats, "
+        "greedy; norepeat: sampled answers that repeat nothing (default random)",
+    )
     serve = kinds.add_parser("serve", help="Poisson load on an OpenAI-compatible server")
     bench_serve.add_arguments(serve)
     known = set(map(id, serve._actions))
@@ -119,60 +126,113 @@ def _prompts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> list[
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
+def _greedy(output_len: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+
+
+def random_workload(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int):
+    """Random prompts, greedy answers."""
+    return _prompts(engine, batch, input_len, seed), _greedy(output_len)
+
+
+def copy_workload(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int):
+    """Prompts X + A + X of about input_len tokens, where A (up to output_len tokens, at most
+    half the prompt) is the model's own greedy answer to X, made here untimed: the answer to
+    the whole prompt repeats the span A, as edits of code or quoted text repeat their source.
+    Random weights have no induction heads, but they decode mostly from the last few tokens,
+    so their answer after the second X is again A (the acceptance rate reported shows it)."""
+    answer_len = max(1, min(output_len, input_len // 2))
+    heads = _prompts(engine, batch, max(1, (input_len - answer_len) // 2), seed)
+    answers = _generate(engine, heads, _greedy(answer_len))
+    return [x + a + x for x, a in zip(heads, answers, strict=True)], _greedy(output_len)
+
+
+def norepeat_workload(engine: LLMEngine, batch: int, input_len: int, output_len: int, seed: int):
+    """Prompts of distinct random tokens, answers sampled at temperature 1: random weights give
+    a nearly uniform distribution over the vocabulary, so the answer repeats nothing and
+    speculation finds nothing to draft: what it costs when it cannot help."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(engine.vocab_size, 30000)
+    prompts = [torch.randperm(vocab, generator=g)[:input_len].tolist() for _ in range(batch)]
+    return prompts, SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+
+
+WORKLOADS = {"random": random_workload, "copy": copy_workload, "norepeat": norepeat_workload}
+SPEC_COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens")
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+    return [done[i] for i in ids]
+
+
 def _sync(engine: LLMEngine) -> None:
     if engine.config.is_cuda:
         torch.cuda.synchronize()
 
 
-def _timed_run(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """Seconds to the first token of every request, and seconds per later step."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def _timed_run(
+    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[float, float]:
+    """Seconds to the first token of every request, and seconds per output token after it
+    (a step may append several tokens when it verifies drafts)."""
     for p in prompts:
         engine.add_request(p, params)
     _sync(engine)
     start = time.perf_counter()
     first_done = None
     started: set[str] = set()
-    decode_steps = 0
+    most_tokens = 0
     while engine.has_unfinished_requests():
         outs = engine.step()
+        most_tokens = max([most_tokens, *(len(o.token_ids) for o in outs)])
         if first_done is None:
             started.update(o.request_id for o in outs)
             if len(started) == len(prompts):
                 _sync(engine)
                 first_done = time.perf_counter()
-        else:
-            decode_steps += 1
     _sync(engine)
     end = time.perf_counter()
-    ttft = first_done - start
-    return ttft, (end - first_done) / max(decode_steps, 1)
+    return first_done - start, (end - first_done) / max(most_tokens - 1, 1)
 
 
 def bench_latency(engine: LLMEngine, build_s: float, args, bandwidth: float | None) -> list[dict]:
     config = engine.config
+    workload = WORKLOADS[getattr(args, "workload", "random")]
     results = []
     for batch in args.batch_size:
         # Seeds unique per (batch size, run): no run's prompts prefix another's.
         seeds = [batch * 1000 + i for i in range(args.iters + 1)]
         _timed_run(
-            engine, _prompts(engine, batch, args.input_len, seeds[0]), min(args.output_len, 8)
+            engine, *workload(engine, batch, args.input_len, min(args.output_len, 8), seeds[0])
         )
-        runs = sorted(
-            _timed_run(engine, _prompts(engine, batch, args.input_len, seed), args.output_len)
-            for seed in seeds[1:]
-        )
-        ttft, tpot = runs[len(runs) // 2]
+        runs, drafts = [], dict.fromkeys(SPEC_COUNTERS, 0)
+        for seed in seeds[1:]:
+            prompts, params = workload(engine, batch, args.input_len, args.output_len, seed)
+            before = engine.stats()  # the timed runs' drafts only, not the workload's own
+            runs.append(_timed_run(engine, prompts, params))
+            for key in SPEC_COUNTERS:
+                drafts[key] += engine.stats()[key] - before[key]
+        ttft, tpot = sorted(runs)[len(runs) // 2]
         report = engine.graph_report()
         result = {
             "mode": report["cuda_graph_mode"],
             "requested_mode": config.cuda_graph_mode,
+            "workload": getattr(args, "workload", "random"),
+            "speculative_method": config.speculative_method,
+            "num_speculative_tokens": config.num_speculative_tokens,
             "batch_size": batch,
             "input_len": args.input_len,
             "output_len": args.output_len,
             "tpot_ms": tpot * 1e3,
             "ttft_ms": ttft * 1e3,
         }
+        if config.speculative_method is not None:
+            accepted, drafted = drafts["spec_accepted_tokens"], drafts["spec_draft_tokens"]
+            result.update(drafts, spec_acceptance_rate=accepted / max(drafted, 1))
         if bandwidth:
             floor = decode_floor_bytes(engine, batch, args.input_len + args.output_len // 2)
             result.update(
@@ -188,11 +248,11 @@ def bench_latency(engine: LLMEngine, build_s: float, args, bandwidth: float | No
 def bench_throughput(
     engine: LLMEngine, build_s: float, args, bandwidth: float | None
 ) -> list[dict]:
-    _timed_run(engine, _prompts(engine, 2, args.input_len), 4)
+    _timed_run(engine, _prompts(engine, 2, args.input_len), _greedy(4))
     prompts = _prompts(engine, args.batch_size, args.input_len, seed=1)
     _sync(engine)
     start = time.perf_counter()
-    _timed_run(engine, prompts, args.output_len)
+    _timed_run(engine, prompts, _greedy(args.output_len))
     seconds = time.perf_counter() - start
     total_out = args.batch_size * args.output_len
     return [
@@ -239,7 +299,7 @@ def _num_graphs(report: dict) -> int:
 
 def _first_request(engine: LLMEngine, prompt: list[int], args) -> tuple[float, float]:
     """Seconds from adding one request to its first token, and to its last."""
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    params = _greedy(args.output_len)
     start = time.perf_counter()
     engine.add_request(prompt, params)
     first = None

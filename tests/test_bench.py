@@ -39,3 +39,25 @@ def test_bad_batch_sizes_exit_2(capsys):
         main(["bench", "latency", "--batch-size", "0,4", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert "positive integers" in capsys.readouterr().err
+
+
+def test_copy_workload_prompts_repeat_the_models_own_answer():
+    engine = bench.LLMEngine(EngineConfig(device="cpu"))
+    prompts, params = bench.copy_workload(engine, 2, 40, 8, seed=3)
+    head = (40 - 8) // 2
+    for prompt in prompts:
+        x, a = prompt[:head], prompt[head : head + 8]
+        assert prompt == x + a + x and len(prompt) == 40
+        greedy = bench.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        assert bench._generate(engine, [x], greedy) == [a]
+    assert params.temperature == 0.0 and params.max_tokens == 8
+
+
+def test_latency_with_speculation_reports_acceptance(capsys):
+    argv = ["bench", "latency", "--device", "cpu", "--json", "--batch-size", "1"]
+    argv += ["--input-len", "24", "--output-len", "6", "--iters", "1", "--workload", "copy"]
+    assert main([*argv, "--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["workload"], result["num_speculative_tokens"]) == ("copy", 3)
+    assert result["spec_draft_tokens"] > 0 and result["spec_acceptance_rate"] > 0.5
+    assert result["tpot_ms"] > 0
