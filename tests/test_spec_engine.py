@@ -193,3 +193,15 @@ def test_cli_flags(capsys):
     assert "6 tokens" in capsys.readouterr().out
     assert main(["generate", "--device", "cpu", "--num-speculative-tokens", "3"]) == 2
     assert "speculative_method" in capsys.readouterr().err
+
+
+def test_two_pipeline_stages_speculate_as_one_process(tiny):
+    """Drafts travel in the StepInput; the last stage verifies them, with batches in flight."""
+    base, _ = tiny
+    prompts = mixed_prompts(256, 5)
+    llm = LLM("tiny", **TINY, **SPEC, pipeline_parallel_size=2)
+    try:
+        same(generate(base, prompts), generate(llm, prompts))
+        assert llm.stats()["spec_accepted_tokens"] > 0
+    finally:
+        llm.engine.shutdown()
