@@ -82,8 +82,15 @@ def test_sampling_with_speculation_on_the_gpu(checkpoint):
     assert llm.graph_report()["full_decode_steps"].get(str(1 + K), 0) > 0
 
 
-def test_random_preset_speculates_in_full_graphs():
-    llm = LLM("random:qwen3-0.6b", max_model_len=1024, max_num_seqs=8, **SPEC)
+@pytest.mark.parametrize("capture", ["eager", "lazy"])
+def test_random_preset_speculates_in_full_graphs(capture):
+    llm = LLM(
+        "random:qwen3-0.6b",
+        max_model_len=1024,
+        max_num_seqs=8,
+        cuda_graph_capture=capture,
+        **SPEC,
+    )
     outs = llm.generate(
         ["Hello " * 20] * 4, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     )
