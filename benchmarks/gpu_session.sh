@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh parallel    # two GPUs: pipeline / tensor parallel tests
 #   bash benchmarks/gpu_session.sh parallel-bench M  # two GPUs: P=1 vs P=2 vs T=2 benches
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
+#   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -110,12 +111,36 @@ spec)
   python3 benchmarks/spec_report.py "$OUT/spec.jsonl" | tee "$OUT/spec.md"
   grep -v "it/s\]" "$OUT/spec.err" | tail -n 15
   ;;
+lora)  # MODEL: tests/gpu/test_lora.py, then the decode step with random rank-16 adapters
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  python3 -m pytest tests/gpu/test_lora.py --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/lora-tests.log"
+  common=(--model "$model" --json --batch-size 1,32 --input-len 128 --output-len 64 --iters 3
+    --max-model-len 2048 --cuda-graph-mode full_and_piecewise)
+  # the base engine, then one with LoRA on: 0 adapters (base graphs), 1 and 4 adapters
+  python3 -m ostinato.cli bench latency "${common[@]}" 2>>"$OUT/bench.err" | tee "$OUT/lora-latency.jsonl"
+  python3 -m ostinato.cli bench latency "${common[@]}" --num-loras 0,1,4 --lora-rank 16 \
+    --max-loras 4 --max-lora-rank 16 2>>"$OUT/bench.err" | tee -a "$OUT/lora-latency.jsonl"
+  python3 -m ostinato.cli bench startup --model "$model" --json --max-model-len 2048 --enable-lora \
+    --max-loras 4 --max-lora-rank 16 2>>"$OUT/bench.err" | tee "$OUT/lora-startup.jsonl"
+  python3 - "$OUT/lora-latency.jsonl" <<'PY' | tee "$OUT/lora-verdict.txt"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.startswith("{")]
+base = {r["batch_size"]: r["tpot_ms"] for r in rows if "num_loras" not in r}
+lora = {(r["batch_size"], r["num_loras"]): r["tpot_ms"] for r in rows if "num_loras" in r}
+for batch, adapters, limit in ((1, 1, 1.15), (32, 4, 1.3)):
+    ratio = lora[batch, adapters] / base[batch]
+    print(f"batch {batch}, {adapters} adapter(s): {lora[batch, adapters]:.3f} ms vs base "
+          f"{base[batch]:.3f} ms = {ratio:.3f}x (limit {limit}x: {'met' if ratio <= limit else 'MISSED'}); "
+          f"LoRA engine without adapters {lora[batch, 0]:.3f} ms = {lora[batch, 0] / base[batch]:.3f}x")
+PY
+  ;;
 generate)
   python3 -m ostinato.cli generate --model "${2:?model}" --max-tokens 16 --max-model-len 2048 \
     "The capital of France is" 2>&1 | tail -n 8 | tee "$OUT/generate.txt"
   ;;
 *)
-  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | generate MODEL | parallel | parallel-bench MODEL" >&2
+  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | generate MODEL | parallel | parallel-bench MODEL | lora MODEL" >&2
   exit 2
   ;;
 esac

@@ -1,9 +1,10 @@
 """ostinato: an LLM inference engine built around a CUDA graph runtime."""
 
+from ostinato.lora.request import LoRARequest
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -13,6 +15,8 @@ import torch
 
 from ostinato.config import EngineConfig
 from ostinato.engine.engine import LLMEngine
+from ostinato.lora.adapter import BaseShapes, write_random_adapter
+from ostinato.lora.request import LoRARequest
 from ostinato.models.llama import head_dim
 from ostinato.models.registry import get_model_class
 from ostinato.sampling_params import SamplingParams
@@ -60,6 +64,17 @@ def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], N
         help="random: random prompts, greedy; copy: prompts holding a span the answer repeats, "
         "greedy; norepeat: sampled answers that repeat nothing (default random)",
     )
+    kinds.choices["latency"].add_argument(
+        "--num-loras",
+        type=_count_list,
+        default=[0],
+        help="comma-separated adapter counts: each batch runs once per count, its requests "
+        "spread over that many random LoRA adapters (0: the base model; turns on "
+        "--enable-lora; default 0)",
+    )
+    kinds.choices["latency"].add_argument(
+        "--lora-rank", type=int, default=16, help="rank of the random adapters (default 16)"
+    )
     serve = kinds.add_parser("serve", help="Poisson load on an OpenAI-compatible server")
     bench_serve.add_arguments(serve)
     known = set(map(id, serve._actions))
@@ -78,15 +93,29 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _count_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected counts like 0,1,4, got {text!r}")
+    return values
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from ostinato.cli import engine_config
 
     # --cuda-graph-mode and --cuda-graph-capture may list several values: every pair runs,
     # one after another in this process.
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
+    most_loras = max(getattr(args, "num_loras", [0]))
     for mode in args.cuda_graph_mode.split(","):
         for capture in args.cuda_graph_capture.split(","):
             config = engine_config(args, cuda_graph_mode=mode, cuda_graph_capture=capture)
+            if most_loras:
+                loras = max(most_loras, config.max_loras)
+                config = dataclasses.replace(config, enable_lora=True, max_loras=loras)
             engine, build_s = _build(config)
             try:
                 for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
@@ -175,12 +204,17 @@ def _sync(engine: LLMEngine) -> None:
 
 
 def _timed_run(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    adapters: list[LoRARequest] | None = None,
 ) -> tuple[float, float]:
     """Seconds to the first token of every request, and seconds per output token after it
-    (a step may append several tokens when it verifies drafts)."""
-    for p in prompts:
-        engine.add_request(p, params)
+    (a step may append several tokens when it verifies drafts). Requests take the adapters
+    in turn (none without)."""
+    for i, p in enumerate(prompts):
+        lora = adapters[i % len(adapters)] if adapters else None
+        engine.add_request(p, params, lora_request=lora)
     _sync(engine)
     start = time.perf_counter()
     first_done = None
@@ -200,49 +234,68 @@ def _timed_run(
 
 
 def bench_latency(engine: LLMEngine, build_s: float, args, bandwidth: float | None) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="ostinato-lora-") as root:
+        adapters = random_adapters(engine, max(args.num_loras), args.lora_rank, root)
+        results = [
+            _latency(engine, args, bandwidth, batch, adapters[:n])
+            for batch in args.batch_size
+            for n in args.num_loras
+        ]
+    results[-1]["steps"] = engine.graph_report()["steps"]
+    return results
+
+
+def random_adapters(engine: LLMEngine, count: int, rank: int, root: str) -> list[LoRARequest]:
+    base = BaseShapes.of(engine.hf_config) if count else None
+    dtype = engine.config.torch_dtype
+    return [
+        LoRARequest(f"lora{i}", str(write_random_adapter(f"{root}/{i}", base, rank, i, dtype)))
+        for i in range(count)
+    ]
+
+
+def _latency(engine: LLMEngine, args, bandwidth: float | None, batch: int, adapters) -> dict:
+    """One batch size with its requests spread over `adapters`: the median of args.iters runs
+    after a warm-up run (which also copies the adapters into their slots)."""
     config = engine.config
     workload = WORKLOADS[getattr(args, "workload", "random")]
-    results = []
-    for batch in args.batch_size:
-        # Seeds unique per (batch size, run): no run's prompts prefix another's.
-        seeds = [batch * 1000 + i for i in range(args.iters + 1)]
-        _timed_run(
-            engine, *workload(engine, batch, args.input_len, min(args.output_len, 8), seeds[0])
+    # Seeds unique per (batch size, adapters, run): no run's prompts prefix another's.
+    seeds = [batch * 1000 + len(adapters) * 100 + i for i in range(args.iters + 1)]
+    warm = workload(engine, batch, args.input_len, min(args.output_len, 8), seeds[0])
+    _timed_run(engine, *warm, adapters)
+    runs, drafts = [], dict.fromkeys(SPEC_COUNTERS, 0)
+    for seed in seeds[1:]:
+        prompts, params = workload(engine, batch, args.input_len, args.output_len, seed)
+        before = engine.stats()  # the timed runs' drafts only, not the workload's own
+        runs.append(_timed_run(engine, prompts, params, adapters))
+        for key in SPEC_COUNTERS:
+            drafts[key] += engine.stats()[key] - before[key]
+    ttft, tpot = sorted(runs)[len(runs) // 2]
+    result = {
+        "mode": engine.graph_report()["cuda_graph_mode"],
+        "requested_mode": config.cuda_graph_mode,
+        "workload": getattr(args, "workload", "random"),
+        "speculative_method": config.speculative_method,
+        "num_speculative_tokens": config.num_speculative_tokens,
+        "batch_size": batch,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "tpot_ms": tpot * 1e3,
+        "ttft_ms": ttft * 1e3,
+    }
+    if config.enable_lora:
+        result.update(num_loras=len(adapters), lora_rank=args.lora_rank)
+    if config.speculative_method is not None:
+        accepted, drafted = drafts["spec_accepted_tokens"], drafts["spec_draft_tokens"]
+        result.update(drafts, spec_acceptance_rate=accepted / max(drafted, 1))
+    if bandwidth:
+        floor = decode_floor_bytes(engine, batch, args.input_len + args.output_len // 2)
+        result.update(
+            copy_bandwidth_gbs=bandwidth / 1e9,
+            floor_ms=floor / bandwidth * 1e3,
+            ratio_to_floor=tpot / (floor / bandwidth),
         )
-        runs, drafts = [], dict.fromkeys(SPEC_COUNTERS, 0)
-        for seed in seeds[1:]:
-            prompts, params = workload(engine, batch, args.input_len, args.output_len, seed)
-            before = engine.stats()  # the timed runs' drafts only, not the workload's own
-            runs.append(_timed_run(engine, prompts, params))
-            for key in SPEC_COUNTERS:
-                drafts[key] += engine.stats()[key] - before[key]
-        ttft, tpot = sorted(runs)[len(runs) // 2]
-        report = engine.graph_report()
-        result = {
-            "mode": report["cuda_graph_mode"],
-            "requested_mode": config.cuda_graph_mode,
-            "workload": getattr(args, "workload", "random"),
-            "speculative_method": config.speculative_method,
-            "num_speculative_tokens": config.num_speculative_tokens,
-            "batch_size": batch,
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "tpot_ms": tpot * 1e3,
-            "ttft_ms": ttft * 1e3,
-        }
-        if config.speculative_method is not None:
-            accepted, drafted = drafts["spec_accepted_tokens"], drafts["spec_draft_tokens"]
-            result.update(drafts, spec_acceptance_rate=accepted / max(drafted, 1))
-        if bandwidth:
-            floor = decode_floor_bytes(engine, batch, args.input_len + args.output_len // 2)
-            result.update(
-                copy_bandwidth_gbs=bandwidth / 1e9,
-                floor_ms=floor / bandwidth * 1e3,
-                ratio_to_floor=tpot / (floor / bandwidth),
-            )
-        results.append(result)
-    result["steps"] = engine.graph_report()["steps"]
-    return results
+    return result
 
 
 def bench_throughput(

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from ostinato.config import CUDA_GRAPH_CAPTURES, CUDA_GRAPH_MODES, DTYPES, EngineConfig
+from ostinato.server.args import lora_module
 
 # Engine flags shared by every command: (flag, type, help). Defaults come from EngineConfig.
 ENGINE_FLAGS: list[tuple[str, type, str]] = [
@@ -33,11 +34,14 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--num-speculative-tokens", int, "draft tokens verified per request and step (k)"),
     ("--ngram-min", int, "shortest suffix the n-gram proposer matches"),
     ("--ngram-max", int, "longest suffix the n-gram proposer tries first"),
+    ("--max-loras", int, "LoRA adapters one step may use (the adapter slots)"),
+    ("--max-lora-rank", int, "largest LoRA rank an adapter may have"),
 ]
 ENGINE_SWITCHES: list[tuple[str, str]] = [
     ("--enforce-eager", "never use CUDA graphs"),
     ("--no-prefix-caching", "turn the prefix cache off"),
     ("--debug-graph-addresses", "check at every replay that input addresses are the captured ones"),
+    ("--enable-lora", "serve LoRA adapters beside the base model"),
 ]
 
 
@@ -78,6 +82,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
         debug_graph_addresses=args.debug_graph_addresses,
+        enable_lora=args.enable_lora,
         capture_sizes=args.capture_sizes,
         pp_layer_partition=args.pp_layer_partition,
     )
@@ -87,7 +92,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
 
 # ---- commands --------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace) -> int:
-    from ostinato import LLM, SamplingParams
+    from ostinato import LLM, LoRARequest, SamplingParams
 
     params = SamplingParams(
         temperature=args.temperature,
@@ -98,9 +103,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=args.stop or [],
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(config=engine_config(args))
+    lora = LoRARequest(*args.lora) if args.lora else None
+    llm = LLM(config=engine_config(args, **({"enable_lora": True} if lora else {})))
     prompts = args.prompt or ["The capital of France is", "Once upon a time"]
-    for prompt, out in zip(prompts, llm.generate(prompts, params), strict=True):
+    outs = llm.generate(prompts, params, lora_request=lora)
+    for prompt, out in zip(prompts, outs, strict=True):
         print(f"--- {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
         print(prompt + out.text)
     return 0
@@ -148,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    gen.add_argument(
+        "--lora",
+        type=lora_module,
+        metavar="NAME=PATH",
+        help="run every prompt through this LoRA adapter (turns on --enable-lora)",
+    )
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -16,6 +16,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 DEFAULT_MAX_MODEL_LEN = 4096
+MAX_LORA_RANK = 256
 CUDA_GRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")
 CUDA_GRAPH_CAPTURES = ("eager", "lazy")
 SPECULATIVE_METHODS = ("ngram",)
@@ -62,6 +63,9 @@ class EngineConfig:
     num_speculative_tokens: int = 0  # k: draft tokens verified per request and step
     ngram_min: int = 1  # shortest suffix the n-gram proposer matches
     ngram_max: int = 4  # longest suffix it tries first
+    enable_lora: bool = False
+    max_loras: int = 4  # adapters one step may use (the adapter slots every rank holds)
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -113,6 +117,7 @@ class EngineConfig:
                     f"pipeline_parallel_size={self.pipeline_parallel_size}: give one layer "
                     "count per stage"
                 )
+        self._check_lora()
         if not self.distributed_timeout > 0:
             raise ValueError(
                 f"distributed_timeout must be positive seconds, got {self.distributed_timeout}"
@@ -147,6 +152,19 @@ class EngineConfig:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min} and "
                 f"ngram_max={self.ngram_max}"
+            )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(
+                f"max_lora_rank must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora does not work with tensor_parallel_size > 1 yet: adapters are not "
+                "sharded over tensor ranks; use pipeline_parallel_size instead"
             )
 
     @property

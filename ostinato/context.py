@@ -1,4 +1,5 @@
-"""Per-step state read by layers during a forward pass (set by the runner, read by attention)."""
+"""Per-step state read by layers during a forward pass (set by the runner, read by attention
+and LoRA layers)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,26 @@ class AttentionMetadata:
 
 
 @dataclass
+class LoRAMetadata:
+    """Which tokens use which adapter slot, grouped by adapter (see kernels/lora.py).
+
+    Device tensors are slices of the runner's persistent buffers. num_active is the group
+    count of the graph key (padded groups have count 0); tokens of no group use no adapter.
+    """
+
+    num_active: int
+    token_indices: torch.Tensor  # int32 [num_tokens]: grouped tokens, group after group
+    slots: torch.Tensor  # int32 [num_active]: the adapter slot of each group
+    starts: torch.Tensor  # int32 [num_active]: where each group begins in token_indices
+    counts: torch.Tensor  # int32 [num_active]: tokens in each group
+
+
+@dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata | None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per global layer index
     backend: object  # AttentionBackend; typed loosely to keep this module import-free
+    lora: LoRAMetadata | None = None  # None: no token of this step uses an adapter
 
 
 _context: ForwardContext | None = None

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from ostinato.config import EngineConfig
 from ostinato.engine.engine import LLMEngine
+from ostinato.lora.request import LoRARequest
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 
@@ -27,25 +28,28 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in input order.
+        """Complete every prompt; outputs come back in input order. `lora_request`: one
+        adapter for every prompt, or one (or None, the base model) per prompt.
 
-        Every prompt is checked before any is queued, so a bad one raises ValueError and
-        leaves the engine as it was.
+        Every prompt is checked before any is queued, so a bad one (or a bad adapter) raises
+        ValueError and leaves the engine as it was.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)
+        loras = _per_prompt(lora_request, LoRARequest | None, prompts, "LoRA requests")
         token_ids = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
             try:
-                token_ids.append(self.engine.validate(prompt, p))
+                token_ids.append(self.engine.validate(prompt, p, lora))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(t, p) for t, p in zip(token_ids, params, strict=True)]
+        ids = [
+            self.engine.add_request(t, p, lora_request=lora)
+            for t, p, lora in zip(token_ids, params, loras, strict=True)
+        ]
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
         try:
@@ -68,3 +72,13 @@ class LLM:
         """The engine's counters: requests, tokens, KV blocks, prefix cache, preemptions, and
         speculative decoding's draft and accepted tokens and acceptance rate."""
         return self.engine.stats()
+
+
+def _per_prompt(value, one: type, prompts: Sequence, what: str = "sampling params") -> list:
+    """`value` for every prompt, or one per prompt."""
+    if isinstance(value, one):
+        return [value] * len(prompts)
+    values = list(value)
+    if len(values) != len(prompts):
+        raise ValueError(f"got {len(values)} {what} for {len(prompts)} prompts")
+    return values

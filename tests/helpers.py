@@ -105,3 +105,38 @@ def make_hf_checkpoint(arch: str, path: str | Path, seed: int = 0, **overrides) 
     model.save_pretrained(path, **save_kwargs)
     make_tokenizer(min(300, config.vocab_size)).save_pretrained(path)
     return path
+
+
+def make_peft_adapter(
+    checkpoint: str | Path,
+    path: str | Path,
+    seed: int = 0,
+    r: int = 8,
+    lora_alpha: float = 16,
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ),
+    **lora_options,
+) -> Path:
+    """A PEFT LoRA adapter for the model at `checkpoint`, saved by peft itself into `path`, with
+    random A and B (peft starts B at zero, which would change nothing)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    config = LoraConfig(
+        r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), **lora_options
+    )
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    peft_model.save_pretrained(path)
+    return Path(path)

@@ -46,7 +46,10 @@ class FakeEngine:
     def shutdown(self) -> None:
         self.shut_down = True
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt, params: SamplingParams, request_id: str | None = None, lora_request=None
+    ) -> str:
+        assert lora_request is None  # the async engine passes it through
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if len(ids) > self.config.max_model_len:
             raise ValueError(f"prompt is {len(ids)} tokens, over max_model_len")

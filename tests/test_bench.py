@@ -12,7 +12,9 @@ from ostinato.config import EngineConfig
 
 def test_latency_runs_never_hit_the_prefix_cache():
     engine, seconds = bench._build(EngineConfig(device="cpu"))
-    args = argparse.Namespace(batch_size=[1, 4], input_len=40, output_len=3, iters=2)
+    args = argparse.Namespace(
+        batch_size=[1, 4], input_len=40, output_len=3, iters=2, num_loras=[0], lora_rank=16
+    )
     results = bench.bench_latency(engine, seconds, args, None)
     assert [r["batch_size"] for r in results] == [1, 4]
     assert all(r["tpot_ms"] > 0 and r["ttft_ms"] > 0 for r in results)
@@ -61,3 +63,12 @@ def test_latency_with_speculation_reports_acceptance(capsys):
     assert (result["workload"], result["num_speculative_tokens"]) == ("copy", 3)
     assert result["spec_draft_tokens"] > 0 and result["spec_acceptance_rate"] > 0.5
     assert result["tpot_ms"] > 0
+
+
+def test_latency_with_random_adapters_per_count(capsys):
+    argv = ["bench", "latency", "--batch-size", "1,3", "--output-len", "3", "--iters", "1"]
+    argv += ["--num-loras", "0,2", "--lora-rank", "4", "--json"]
+    assert main([*argv, "--device", "cpu", "--max-lora-rank", "8"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["batch_size"], r["num_loras"]) for r in lines] == [(1, 0), (1, 2), (3, 0), (3, 2)]
+    assert all(r["lora_rank"] == 4 and r["tpot_ms"] > 0 for r in lines)

@@ -150,6 +150,7 @@ def test_every_rule_fires_somewhere(decode_only_backend, single_token_backend):
     configs = [config(m, b, d, bool(e)) for m, b, d, e in MATRIX]
     configs += [config("full", decode_only_backend), config("full_and_piecewise", **NO_SIZES)]
     configs += [config("full_and_piecewise", single_token_backend, **SPEC)]
+    configs += [config("piecewise", enable_lora=True)]
     fired = {d.rule for c in configs for d in resolve(c).decisions}
     assert fired == {rule.name for rule in RULES}
 

@@ -26,6 +26,7 @@ def test_cuda_config_on_a_machine_without_a_gpu(no_cuda_calls):
         "decisions",
         "cuda_graph_capture",
         "capture_sizes",
+        "lora_counts",
         "config",
     }
     assert out["cuda_graph_mode"] == out["requested_mode"] == "full_and_piecewise"

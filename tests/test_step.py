@@ -20,8 +20,8 @@ def seq(request_id: str, tokens: list[int], computed: int, blocks: list[int]) ->
     return s
 
 
-def eager(num_tokens, num_reqs, q):
-    return CudaGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, q)
+def eager(num_tokens, num_reqs, q, num_loras):
+    return CudaGraphMode.NONE, BatchDescriptor(num_tokens, num_reqs, q, num_loras)
 
 
 def test_build_step_lays_out_a_mixed_batch():
@@ -46,7 +46,7 @@ def test_build_step_lays_out_a_mixed_batch():
 def test_full_steps_pad_requests_and_survive_pickling():
     seqs = [seq(f"r{i}", [1, 2, 3], computed=2, blocks=[i]) for i in range(3)]
 
-    def full(num_tokens, num_reqs, q):
+    def full(num_tokens, num_reqs, q, num_loras):
         return CudaGraphMode.FULL, BatchDescriptor(4, 4, 1)
 
     step = pickle.loads(pickle.dumps(build_step(ScheduledBatch(seqs, [1, 1, 1]), BS, full)))

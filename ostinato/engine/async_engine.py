@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ostinato.lora.request import LoRARequest
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 
@@ -121,9 +122,13 @@ class AsyncEngine:
         return await fut
 
     async def add(
-        self, requests: list[tuple[Prompt, SamplingParams]], request_ids: list[str] | None = None
+        self,
+        requests: list[tuple[Prompt, SamplingParams]],
+        request_ids: list[str] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Add a group of requests at once: all are added, or none and the error is raised.
+        """Add a group of requests at once, all through `lora_request`'s adapter (None: the base
+        model): all are added, or none and the error is raised.
 
         Raises ValueError for a bad request, EngineOverloadedError when the waiting queue is full,
         EngineClosedError during shutdown.
@@ -133,17 +138,22 @@ class AsyncEngine:
         stream = RequestStream(self, request_ids or [uuid.uuid4().hex for _ in requests])
         arrival = time.monotonic()
         try:
-            await self.call(lambda: self._add(requests, stream, arrival))
+            await self.call(lambda: self._add(requests, stream, arrival, lora_request))
         except asyncio.CancelledError:
             stream.abort()  # the add may still run after we stopped waiting for it
             raise
         return stream
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; closing or cancelling the iterator aborts it."""
-        stream = await self.add([(prompt, params)], [request_id] if request_id else None)
+        ids = [request_id] if request_id else None
+        stream = await self.add([(prompt, params)], ids, lora_request)
         try:
             async for out in stream:
                 yield out
@@ -211,7 +221,11 @@ class AsyncEngine:
                 logger.exception("engine command failed")
 
     def _add(
-        self, requests: list[tuple[Prompt, SamplingParams]], stream: RequestStream, arrival: float
+        self,
+        requests: list[tuple[Prompt, SamplingParams]],
+        stream: RequestStream,
+        arrival: float,
+        lora_request: LoRARequest | None,
     ) -> None:
         if self.engine.failed is not None:
             raise EngineClosedError(f"the engine has stopped: {self.engine.failed}")
@@ -227,7 +241,7 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for rid, (prompt, params) in zip(stream.request_ids, requests, strict=True):
-                self.engine.add_request(prompt, params, rid)
+                self.engine.add_request(prompt, params, rid, lora_request=lora_request)
                 self._tracked[rid] = _Tracked(stream, arrival)
                 added.append(rid)
         except Exception:

@@ -1,8 +1,10 @@
 """Paged KV blocks: allocation, reference counts, and prefix caching over full blocks.
 
 A full block is identified by a chain hash of its tokens and the hash of the block before it,
-so equal hashes mean equal prefixes. Freed blocks keep their hash and sit in an LRU queue:
-a later request with the same prefix revives them; allocation evicts the least recently freed.
+so equal hashes mean equal prefixes. The chain of a request run through a LoRA adapter starts
+from the adapter's name: its KV differs from the base model's, so no other adapter reuses it.
+Freed blocks keep their hash and sit in an LRU queue: a later request with the same prefix
+revives them; allocation evicts the least recently freed.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class BlockManager:
 
     def _hash_full_blocks(self, seq: Sequence) -> None:
         bs = self.block_size
+        root = None if seq.lora_name is None else hash(("lora", seq.lora_name))
         for i in range(len(seq.block_hashes), len(seq) // bs):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else root
             seq.block_hashes.append(block_hash(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])))

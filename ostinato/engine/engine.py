@@ -12,6 +12,9 @@ from ostinato.engine.detokenizer import IncrementalDetokenizer
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
 from ostinato.loader import load_hf_config
+from ostinato.lora.adapter import BaseShapes
+from ostinato.lora.request import LoRARequest
+from ostinato.lora.slots import AdapterSlots
 from ostinato.outputs import RequestOutput
 from ostinato.runner.executor import PendingStep, create_executor
 from ostinato.runner.step import StepInput
@@ -40,6 +43,10 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config, self.block_manager)
+        self.lora = None
+        if config.enable_lora:
+            base = BaseShapes.of(self.hf_config)
+            self.lora = AdapterSlots(base, config.max_loras, config.max_lora_rank)
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -73,22 +80,47 @@ class LLMEngine:
             )
         return token_ids
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+    def validate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> list[int]:
         """Token ids of a request the engine can run, or a ValueError naming the problem."""
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise ValueError(
                 f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
             )
+        self.register_lora(lora_request)
         return self.encode_prompt(prompt)
 
+    def register_lora(self, lora_request: LoRARequest | None) -> str | None:
+        """The adapter's name, once it is known to work with this model (checked on its first
+        use, before it takes a slot); ValueError naming the problem otherwise."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        if self.lora is None:
+            raise ValueError(
+                f"request for LoRA adapter {lora_request.name!r}, but LoRA is off: start the "
+                "engine with enable_lora=True (--enable-lora)"
+            )
+        return self.lora.register(lora_request)
+
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        token_ids = self.validate(prompt, params)
+        token_ids = self.validate(prompt, params, lora_request)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running: use a new id")
-        seq = Sequence(request_id, token_ids, params)
+        lora_name = lora_request.name if lora_request is not None else None
+        seq = Sequence(request_id, token_ids, params, lora_name)
         self.requests[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
@@ -115,7 +147,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            step = self.runner.build_step(batch, tuple(self._ended))
+            step = self.runner.build_step(batch, tuple(self._ended), self.lora)
             self._ended.clear()
             self.in_flight.append((batch, step, self.executor.submit(step)))
         if not self.in_flight:
@@ -125,6 +157,8 @@ class LLMEngine:
             sampled = pending.result()
         except BaseException:
             self.scheduler.complete(batch, ran=False)
+            if self.lora is not None:
+                self.lora.forget(step.lora_loads)
             raise
         outputs: list[RequestOutput] = []
         accepted: dict[str, int] = {}

@@ -5,6 +5,11 @@ requests still prefilling, then of newly admitted ones) under `max_num_batched_t
 `max_num_seqs`. When blocks run out, the most recently admitted request is preempted and will
 recompute its tokens later.
 
+A batch uses at most `max_loras` distinct LoRA adapters (the slots every rank holds). A waiting
+request whose adapter does not fit waits for a later step; base-model requests behind it go
+ahead, adapter requests behind it keep their place in the queue, so every adapter gets its turn
+(the running requests of the adapters before it finish, and none of theirs overtake it).
+
 With pipeline parallelism several batches are in flight at once (one per stage): a request
 in flight is never scheduled again until its batch completes, and each batch takes at most
 its share of the unfinished requests, so the stages get batches of similar size.
@@ -57,6 +62,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.num_microbatches = config.pipeline_parallel_size
+        self.max_loras = config.max_loras
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -68,6 +74,7 @@ class Scheduler:
         self._budget = 0
         self._scheduled: dict[Sequence, int] = {}
         self._drafts: dict[Sequence, list[int]] = {}
+        self._adapters: set[str] = set()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +86,7 @@ class Scheduler:
         """The next batch of requests not already in flight; None when there is none."""
         self._budget = self.max_num_batched_tokens
         self._scheduled, self._drafts = {}, {}
+        self._adapters = set()
         cap = -(-(len(self.running) + len(self.waiting)) // self.num_microbatches)
         ready = [s for s in self.running if s not in self.in_flight]
         decodes = [s for s in ready if s.num_uncomputed_tokens == 1]
@@ -87,16 +95,22 @@ class Scheduler:
         for seq in decodes + prefills:
             if self._budget == 0 or len(self._scheduled) == cap:
                 break
-            if seq.status == SequenceStatus.RUNNING:  # else preempted earlier this step
+            # else preempted earlier this step
+            if seq.status == SequenceStatus.RUNNING and self._adapter_fits(seq):
                 self._schedule_running(seq, drafts.get(seq, []))
+        skipped: list[Sequence] = []  # adapter requests that wait their turn
         while (
             self.waiting
             and self._budget > 0
             and len(self.running) < self.max_num_seqs
             and len(self._scheduled) < cap
         ):
-            if not self._admit(self.waiting[0]):
+            seq = self.waiting[0]
+            if seq.lora_name is not None and (skipped or not self._adapter_fits(seq)):
+                skipped.append(self.waiting.popleft())
+            elif not self._admit(seq):
                 break
+        self.waiting.extendleft(reversed(skipped))
         if not self._scheduled:
             return None
         self.in_flight.update(self._scheduled)
@@ -169,9 +183,15 @@ class Scheduler:
         self._take(seq, n)
         return True
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        name = seq.lora_name
+        return name is None or name in self._adapters or len(self._adapters) < self.max_loras
+
     def _take(self, seq: Sequence, n: int) -> None:
         self._scheduled[seq] = n
         self._budget -= n
+        if seq.lora_name is not None:
+            self._adapters.add(seq.lora_name)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

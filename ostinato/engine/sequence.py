@@ -14,8 +14,15 @@ class SequenceStatus(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+    ):
         self.request_id = request_id
+        self.lora_name = lora_name  # the adapter it runs through; None: the base model
         self.token_ids = list(prompt_token_ids)
         # Kept apart and never mutated, so every output can share it instead of copying it.
         self.prompt_token_ids = tuple(prompt_token_ids)

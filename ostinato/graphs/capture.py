@@ -58,8 +58,8 @@ def frozen_gc() -> Iterator[None]:
 class GraphRunner:
     """Owns every CUDA graph of one engine. The runner calls, in order:
 
-    dispatch(num_tokens, num_reqs, uniform_query_len) -> (mode, desc) for every step, on the
-    driver only (every rank then runs the driver's decision);
+    dispatch(num_tokens, num_reqs, uniform_query_len, num_active_loras) -> (mode, desc) for
+    every step, on the driver only (every rank then runs the driver's decision);
     capture(forward_fn, prepare, buffers) once at start-up, after the KV cache exists: eager
     capture captures every key now, lazy capture keeps forward_fn and captures each key the
     first time run() is given it;
@@ -99,6 +99,7 @@ class GraphRunner:
         self.num_warmups = 0
         self.steps: Counter[CudaGraphMode] = Counter()
         self.full_decode_steps: Counter[int] = Counter()  # FULL decode replays per query length
+        self.replays_by_loras: Counter[int] = Counter()  # graph replays per active-adapter count
         self.padded_tokens = 0
         self._forward_fn: ForwardFn | None = None
         self._pool: tuple[int, int] | None = None
@@ -111,10 +112,14 @@ class GraphRunner:
         return self.resolution.resolved
 
     def dispatch(
-        self, num_tokens: int, num_reqs: int, uniform_query_len: int | None
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        uniform_query_len: int | None,
+        num_active_loras: int = 0,
     ) -> tuple[CudaGraphMode, BatchDescriptor]:
         """The runtime mode and padded key of one step."""
-        return self.dispatcher.dispatch(num_tokens, num_reqs, uniform_query_len)
+        return self.dispatcher.dispatch(num_tokens, num_reqs, uniform_query_len, num_active_loras)
 
     def run(
         self, mode: CudaGraphMode, desc: BatchDescriptor, num_tokens: int, eager: Callable[[], T]
@@ -145,6 +150,7 @@ class GraphRunner:
             self.full_decode_steps[desc.uniform_query_len] += 1
         if self._buffers is not None:
             self._check_addresses()
+        self.replays_by_loras[desc.num_active_loras] += 1
         return graph.replay()
 
     def _pending(self, desc: BatchDescriptor) -> bool:
@@ -294,7 +300,8 @@ class GraphRunner:
                 )
 
     def report(self) -> dict:
-        """JSON-ready: the resolution, what was captured and dropped, and step counts."""
+        """JSON-ready: the resolution, what was captured and dropped, step counts, and graph
+        replays per active-adapter count (keys are counts as strings)."""
         return {
             **self.resolution.as_dict(),
             "cuda_graph_capture": self.config.cuda_graph_capture,
@@ -306,4 +313,7 @@ class GraphRunner:
             "steps": {m.value: self.steps[m] for m in RUNTIME_MODES},
             "full_decode_steps": {str(q): n for q, n in sorted(self.full_decode_steps.items())},
             "padded_tokens": self.padded_tokens,
+            "replays_by_active_loras": {
+                str(k): n for k, n in sorted(self.replays_by_loras.items())
+            },
         }

@@ -35,6 +35,7 @@ class Facts:
     max_tokens: int | None  # largest token capture size
     max_reqs: int | None  # largest FULL decode capture size
     decode_query_len: int  # largest uniform decode query length: 1 + speculative tokens
+    lora_counts: tuple[int, ...]  # active-adapter counts that key graphs; (0,) without LoRA
 
     @classmethod
     def of(cls, config: EngineConfig, plan: CapturePlan) -> Facts:
@@ -47,6 +48,7 @@ class Facts:
             max_tokens=plan.token_sizes[-1] if plan.token_sizes else None,
             max_reqs=plan.decode_sizes[-1] if plan.decode_sizes else None,
             decode_query_len=plan.decode_query_lens[-1],
+            lora_counts=plan.lora_counts,
         )
 
 
@@ -137,6 +139,14 @@ RULES: tuple[Rule, ...] = (
         _note(FULL_DECODE_ONLY),
         "full_decode_only graphs uniform decode batches of up to {max_reqs} requests; "
         "every other batch runs eagerly",
+    ),
+    Rule(
+        "lora_graphs_per_adapter_count",
+        lambda f: len(f.lora_counts) > 1,
+        _note(PIECEWISE, FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE),
+        "LoRA steps replay graphs keyed by how many adapters they use, padded up to one of "
+        "{lora_counts}: every size is captured once per count, and steps without adapters "
+        "replay the base graphs (count 0, no LoRA cost)",
     ),
 )
 

@@ -20,6 +20,8 @@ class Dispatcher:
       mode full a FULL key whose num_reqs is min(num_tokens, max_num_seqs): padded requests
       have zero lengths, so one graph serves any batch of up to that many tokens.
     - Otherwise NONE with the unpadded descriptor (eager).
+    Every graph key also carries the number of adapters the step uses, padded up to an entry
+    of plan.lora_counts; keys with 0 are the base graphs, which run no LoRA code at all.
     dispatch() only returns keys listed by descriptors(): capture exactly those. Keys in
     `dropped` (their capture failed) are left out: batches pad past them.
     """
@@ -33,48 +35,63 @@ class Dispatcher:
         self.mode, self.plan, self.dropped = mode, plan, dropped
         self._token_mode = mode.mixed_mode
         decode_qs = plan.decode_query_lens if mode.separate_decode else ()
+        # (q, adapter count) -> size -> key; adapter count -> size -> key
         self._decode_keys = {
-            q: _kept({r: BatchDescriptor(r * q, r, q) for r in plan.decode_sizes}, dropped)
+            (q, k): _kept({r: BatchDescriptor(r * q, r, q, k) for r in plan.decode_sizes}, dropped)
             for q in decode_qs
+            for k in plan.lora_counts
         }
         token_sizes = plan.token_sizes if self._token_mode is not NONE else ()
-        self._token_keys = _kept({t: self._token_key(t) for t in token_sizes}, dropped)
-        self._decode_sizes = {q: tuple(keys) for q, keys in self._decode_keys.items()}
-        self._token_sizes = tuple(self._token_keys)
+        self._token_keys = {
+            k: _kept({t: self._token_key(t, k) for t in token_sizes}, dropped)
+            for k in plan.lora_counts
+        }
+        self._decode_sizes = {qk: tuple(keys) for qk, keys in self._decode_keys.items()}
+        self._token_sizes = {k: tuple(keys) for k, keys in self._token_keys.items()}
 
-    def _token_key(self, num_tokens: int) -> BatchDescriptor:
+    def _token_key(self, num_tokens: int, num_loras: int) -> BatchDescriptor:
         if self._token_mode is FULL:
-            return BatchDescriptor(num_tokens, min(num_tokens, self.plan.max_num_seqs), None)
-        return BatchDescriptor.piecewise(num_tokens)
+            num_reqs = min(num_tokens, self.plan.max_num_seqs)
+            return BatchDescriptor(num_tokens, num_reqs, None, num_loras)
+        return BatchDescriptor.piecewise(num_tokens, num_loras)
 
     def dispatch(
-        self, num_tokens: int, num_reqs: int, uniform_query_len: int | None
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        uniform_query_len: int | None,
+        num_active_loras: int = 0,
     ) -> tuple[CudaGraphMode, BatchDescriptor]:
-        sizes = self._decode_sizes.get(uniform_query_len)
+        loras = self.plan.pad_loras(num_active_loras)
+        sizes = self._decode_sizes.get((uniform_query_len, loras))
         if sizes:
             padded = padded_size(sizes, num_reqs)
             if padded is not None:
-                return FULL, self._decode_keys[uniform_query_len][padded]
-        if self._token_sizes:
-            padded = padded_size(self._token_sizes, num_tokens)
+                return FULL, self._decode_keys[uniform_query_len, loras][padded]
+        sizes = self._token_sizes.get(loras)
+        if sizes:
+            padded = padded_size(sizes, num_tokens)
             if padded is not None:
-                return self._token_mode, self._token_keys[padded]
-        return NONE, BatchDescriptor(num_tokens, num_reqs, uniform_query_len)
+                return self._token_mode, self._token_keys[loras][padded]
+        return NONE, BatchDescriptor(num_tokens, num_reqs, uniform_query_len, num_active_loras)
 
     def descriptors(self) -> dict[CudaGraphMode, list[BatchDescriptor]]:
-        """Every key dispatch() can return, per runtime mode, in ascending size per q."""
+        """Every key dispatch() can return, per runtime mode, in ascending size per q and
+        adapter count."""
         keys: dict[CudaGraphMode, list[BatchDescriptor]] = {FULL: [], PIECEWISE: []}
         for decode_keys in self._decode_keys.values():
             keys[FULL] += decode_keys.values()
-        if self._token_keys:
-            keys[self._token_mode] += self._token_keys.values()
+        if self._token_mode is not NONE:
+            for token_keys in self._token_keys.values():
+                keys[self._token_mode] += token_keys.values()
         return keys
 
     def capture_sizes(self) -> dict[str, list[int]]:
         """Sizes per runtime mode: num_reqs of decode keys and num_tokens of token keys
         ("full", "piecewise"), and the num_tokens of every FULL key ("full_tokens": with
-        speculative decoding they reach max_num_seqs * (1 + k))."""
-        tokens = list(self._token_sizes)
+        speculative decoding they reach max_num_seqs * (1 + k)). With LoRA each size is
+        captured once per entry of plan.lora_counts."""
+        tokens = sorted({t for sizes in self._token_sizes.values() for t in sizes})
         full_tokens = tokens if self._token_mode is FULL else []
         decode_reqs = sorted({r for sizes in self._decode_sizes.values() for r in sizes})
         return {

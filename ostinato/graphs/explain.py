@@ -12,16 +12,17 @@ from ostinato.graphs.plan import CapturePlan
 
 
 def explain(config: EngineConfig, hf_config=None) -> dict:
-    """The resolved mode, every rule that fired, the sizes that would be captured, and the
-    config; with the model's hf_config, each pipeline stage's share too (every stage captures
-    the same sizes). Queries no device, so `device='cuda'` can be checked on a machine
-    without one."""
+    """The resolved mode, every rule that fired, the sizes that would be captured (each once
+    per active-adapter count of lora_counts), and the config; with the model's hf_config,
+    each pipeline stage's share too (every stage captures the same sizes). Queries no device,
+    so `device='cuda'` can be checked on a machine without one."""
     plan = CapturePlan.from_config(config)
     resolution = resolve(config, plan)
     report = {
         **resolution.as_dict(),
         "cuda_graph_capture": config.cuda_graph_capture,
         "capture_sizes": Dispatcher(resolution.resolved, plan).capture_sizes(),
+        "lora_counts": list(plan.lora_counts),
         "config": asdict(config),
     }
     if hf_config is not None:

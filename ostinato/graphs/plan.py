@@ -23,6 +23,13 @@ def ladder(cap: int, override: Iterable[int] | None) -> tuple[int, ...]:
     return tuple(sorted({s for s in override if s <= cap}))
 
 
+def lora_ladder(max_loras: int) -> tuple[int, ...]:
+    """Active-adapter counts that get their own graphs: 0 (the base graphs), then powers of two
+    below max_loras, and max_loras."""
+    powers = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras]
+    return (0, *powers, max_loras)
+
+
 def padded_size(sizes: Sequence[int], n: int) -> int | None:
     """The smallest size >= n in an ascending list, or None when n is above them all."""
     i = bisect_left(sizes, n)
@@ -38,12 +45,14 @@ class CapturePlan:
     max_num_batched_tokens // the largest q.
     decode_query_lens: 1, and with speculative decoding also 1 + k (a verify step): a step
     where no request has a draft decodes one token each and replays the q = 1 graphs.
+    lora_counts: active-adapter counts, one graph per size and count; (0,) without LoRA.
     """
 
     token_sizes: tuple[int, ...]
     decode_sizes: tuple[int, ...]
     max_num_seqs: int
     decode_query_lens: tuple[int, ...] = (1,)
+    lora_counts: tuple[int, ...] = (0,)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> CapturePlan:
@@ -56,6 +65,7 @@ class CapturePlan:
             decode_sizes=ladder(max_reqs, config.capture_sizes),
             max_num_seqs=config.max_num_seqs,
             decode_query_lens=query_lens,
+            lora_counts=lora_ladder(config.max_loras) if config.enable_lora else (0,),
         )
 
     def pad_tokens(self, num_tokens: int) -> int | None:
@@ -63,3 +73,6 @@ class CapturePlan:
 
     def pad_reqs(self, num_reqs: int) -> int | None:
         return padded_size(self.decode_sizes, num_reqs)
+
+    def pad_loras(self, num_active_loras: int) -> int | None:
+        return padded_size(self.lora_counts, num_active_loras)

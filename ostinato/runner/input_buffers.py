@@ -6,9 +6,10 @@ it fills the pinned host mirror and copies the live batch in.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ostinato.context import AttentionMetadata
+from ostinato.context import AttentionMetadata, LoRAMetadata
 from ostinato.runner.step import StepInput
 
 _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_blocks))
@@ -20,16 +21,31 @@ _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_bloc
     "block_table": (torch.int32, lambda t, r, b: (r, b)),
     "logits_indices": (torch.int64, lambda t, r, b: (t,)),  # a row per token at most (drafts)
 }
+# with LoRA: tokens grouped by adapter, and each group's slot, start and count (LoRAMetadata)
+_LORA_FIELDS = ("lora_tokens", "lora_slots", "lora_starts", "lora_counts")
 
 
 class InputBuffers:
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device):
+    def __init__(
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks: int,
+        device: torch.device,
+        max_loras: int = 0,
+    ):
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         pin = device.type == "cuda"
         self.device: dict[str, torch.Tensor] = {}
         self.host: dict[str, torch.Tensor] = {}
-        for name, (dtype, shape_of) in _FIELDS.items():
-            shape = shape_of(max_tokens, max_reqs, max_blocks)
+        shapes = {
+            name: (dtype, shape_of(max_tokens, max_reqs, max_blocks))
+            for name, (dtype, shape_of) in _FIELDS.items()
+        }
+        if max_loras:
+            lora_shapes = ((max_tokens,), (max_loras,), (max_loras,), (max_loras,))
+            shapes |= {n: (torch.int32, s) for n, s in zip(_LORA_FIELDS, lora_shapes, strict=True)}
+        for name, (dtype, shape) in shapes.items():
             self.device[name] = torch.zeros(shape, dtype=dtype, device=device)
             self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         # numpy views of the host mirror: writing through them costs far less per call
@@ -67,8 +83,38 @@ class InputBuffers:
         d["query_start_loc"][: num_reqs + 1].copy_(qsl, True)
         bt = host["block_table"][:num_reqs, :width]
         d["block_table"][:num_reqs, :width].copy_(bt, True)
+        if step.desc.num_active_loras:
+            self._load_lora(step)
         if self.copied is not None:
             self.copied.record()
+
+    def _load_lora(self, step: StepInput) -> None:
+        """Group the step's tokens by adapter slot; groups past the step's own (the graph key
+        pads their number) are empty."""
+        h, num_loras = self.host_np, step.desc.num_active_loras
+        q = np.diff(step.query_start_loc)
+        tokens, slots, starts, counts = group_by_adapter(np.repeat(step.lora_slots, q))
+        h["lora_tokens"][: len(tokens)] = tokens
+        for name, values in zip(_LORA_FIELDS[1:], (slots, starts, counts), strict=True):
+            h[name][: len(values)] = values
+            h[name][len(values) : num_loras] = 0
+        d, host = self.device, self.host
+        d["lora_tokens"][: len(tokens)].copy_(host["lora_tokens"][: len(tokens)], True)
+        for name in _LORA_FIELDS[1:]:
+            d[name][:num_loras].copy_(host[name][:num_loras], True)
+
+    def lora_metadata(self, num_tokens: int, num_loras: int) -> LoRAMetadata | None:
+        """The adapter groups of the first num_tokens tokens; None when no token uses one."""
+        if not num_loras:
+            return None
+        d = self.device
+        return LoRAMetadata(
+            num_active=num_loras,
+            token_indices=d["lora_tokens"][:num_tokens],
+            slots=d["lora_slots"][:num_loras],
+            starts=d["lora_starts"][:num_loras],
+            counts=d["lora_counts"][:num_loras],
+        )
 
     def metadata(self, num_tokens: int, num_reqs: int) -> AttentionMetadata:
         """Attention metadata over the first num_tokens / num_reqs entries of the buffers."""
@@ -83,3 +129,12 @@ class InputBuffers:
             query_start_loc_cpu=h["query_start_loc"][: num_reqs + 1],
             seq_lens_cpu=h["seq_lens"][:num_reqs],
         )
+
+
+def group_by_adapter(token_slots: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per-token adapter slots (-1: none) -> (token indices grouped by slot, in token order
+    within a group; each group's slot, start and count), groups in ascending slot order."""
+    tokens = np.flatnonzero(token_slots >= 0)
+    tokens = tokens[np.argsort(token_slots[tokens], kind="stable")]
+    slots, starts, counts = np.unique(token_slots[tokens], return_index=True, return_counts=True)
+    return tokens, slots, starts, counts

@@ -21,6 +21,8 @@ from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
 from ostinato.loader import load_model
+from ostinato.lora.model import LoRAModel
+from ostinato.lora.slots import AdapterSlots
 from ostinato.models.base import IntermediateTensors
 from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
@@ -69,11 +71,20 @@ class ModelRunner:
             hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition
         )[self.rank.pp_rank]
         self.model = load_model(config, hf_config, (layers.start, layers.stop))
+        self.lora = None
+        if config.enable_lora:  # slot buffers now, so the KV sizing counts them as weights
+            self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
         self.backend = get_attention_backend(config.attention_backend)()
         self.block_size = config.block_size
         self.max_blocks = config.max_blocks_per_seq
         max_tokens = config.max_num_batched_tokens
-        self.buffers = InputBuffers(max_tokens, config.max_num_seqs, self.max_blocks, self.device)
+        self.buffers = InputBuffers(
+            max_tokens,
+            config.max_num_seqs,
+            self.max_blocks,
+            self.device,
+            config.max_loras if config.enable_lora else 0,
+        )
         self.intermediate = None
         if not self.rank.is_first_stage:  # received into here; graphs captured these addresses
             hidden = torch.zeros(max_tokens, hf_config.hidden_size, dtype=config.torch_dtype)
@@ -156,14 +167,14 @@ class ModelRunner:
     def graph_memory_reserve(self, activation: int) -> int:
         """Room for the graph pool: graphs share one pool, so it holds about twice the
         activations of the largest captured step, plus a few MiB of each graph's own state
-        (on the H100: 0.20 GiB measured for qwen3-0.6b's 48 graphs, 0.27 GiB for llama-3.1-8b)."""
-        keys = self.graphs.dispatcher.descriptors().values()
-        largest = max((d.num_tokens for descs in keys for d in descs), default=0)
+        (on the H100: 0.20 GiB measured for qwen3-0.6b's 48 graphs, 0.27 GiB for llama-3.1-8b).
+        With LoRA every size is captured once per active-adapter count."""
+        descriptors = [d for ds in self.graphs.dispatcher.descriptors().values() for d in ds]
+        largest = max((d.num_tokens for d in descriptors), default=0)
         if not largest:
             return 0
         share = min(1.0, largest / self.config.max_num_batched_tokens)
-        num_graphs = sum(len(descs) for descs in keys)
-        return int(activation * share * 2) + num_graphs * 4 * 2**20
+        return int(activation * share * 2) + len(descriptors) * 4 * 2**20
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         c = self.hf_config
@@ -177,20 +188,25 @@ class ModelRunner:
         return caches
 
     # ---- one step ------------------------------------------------------------------------
-    def build_step(self, batch: ScheduledBatch, finished: tuple[str, ...] = ()) -> StepInput:
-        """The driver's half: the batch as arrays, with its graph decision."""
-        return build_step(batch, self.block_size, self.graphs.dispatch, finished)
+    def build_step(
+        self,
+        batch: ScheduledBatch,
+        finished: tuple[str, ...] = (),
+        lora: AdapterSlots | None = None,
+    ) -> StepInput:
+        """The driver's half: the batch as arrays, with its adapter slots and graph decision."""
+        return build_step(batch, self.block_size, self.graphs.dispatch, finished, lora)
 
     def run(self, step: StepInput) -> SamplerOutput | None:
         """Every rank's half. Returns the sampled tokens on the sampling rank (the last stage's
         first tensor rank) when some request reached its last token; None elsewhere."""
+        for load in step.lora_loads:  # this rank's layers of each adapter, into fixed slots
+            self.lora.load(load.slot, load.path)
         self.buffers.load(step)
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
         if self.intermediate is not None:
             self.link.recv(self._intermediate(num_tokens))
-        ctx = ForwardContext(
-            self.buffers.metadata(num_tokens, num_reqs), self.kv_caches, self.backend
-        )
+        ctx = self._context(num_tokens, num_reqs, step.desc.num_active_loras)
         with forward_context(ctx):  # PIECEWISE breaks read the live batch from it
             out = self.graphs.run(
                 step.mode, step.desc, step.num_tokens, lambda: self._model_forward(num_tokens)
@@ -220,11 +236,17 @@ class ModelRunner:
         intermediate = self._intermediate(num_tokens) if self.intermediate is not None else None
         return self.model(d["input_ids"][:num_tokens], d["positions"][:num_tokens], intermediate)
 
-    def _forward(self, num_tokens: int, num_reqs: int) -> StageOutput:
-        ctx = ForwardContext(
-            self.buffers.metadata(num_tokens, num_reqs), self.kv_caches, self.backend
+    def _context(self, num_tokens: int, num_reqs: int, num_loras: int) -> ForwardContext:
+        b = self.buffers
+        return ForwardContext(
+            b.metadata(num_tokens, num_reqs),
+            self.kv_caches,
+            self.backend,
+            b.lora_metadata(num_tokens, num_loras),
         )
-        with forward_context(ctx):
+
+    def _forward(self, num_tokens: int, num_reqs: int, num_loras: int = 0) -> StageOutput:
+        with forward_context(self._context(num_tokens, num_reqs, num_loras)):
             return self._model_forward(num_tokens)
 
     # ---- graphs --------------------------------------------------------------------------
@@ -233,13 +255,14 @@ class ModelRunner:
         breaks read the live one at replay, so any count serves the warm-up and capture.
         The LM head stays outside: each graph keeps its output, and [num_reqs, vocab] logits
         per FULL graph cost 0.6 GiB over the default plan (measured on the H100)."""
-        return self._forward(desc.num_tokens, desc.num_reqs or 1)
+        return self._forward(desc.num_tokens, desc.num_reqs or 1, desc.num_active_loras)
 
     def _fill_dummy_desc(self, desc: BatchDescriptor) -> None:
-        self.buffers.load(self._dummy(desc.num_tokens, desc.num_reqs or 1))
+        self.buffers.load(self._dummy(desc.num_tokens, desc.num_reqs or 1, desc.num_active_loras))
 
-    def _dummy(self, num_tokens: int, num_reqs: int) -> StepInput:
-        return dummy_step(num_tokens, num_reqs, self.config.max_model_len, self.block_size)
+    def _dummy(self, num_tokens: int, num_reqs: int, num_loras: int = 0) -> StepInput:
+        c = self.config
+        return dummy_step(num_tokens, num_reqs, c.max_model_len, self.block_size, num_loras)
 
     def _due_for_check(self) -> bool:
         """Every graphed step counts, on every rank alike: the eager re-run of a tensor-parallel
@@ -267,11 +290,13 @@ class ModelRunner:
         return self.graphs.report()
 
     def _run_dummy(self, num_tokens: int) -> None:
-        """Profile a peak step: forward, and on the last stage logits and softmax for the most
-        rows a step can sample (a row per request, and one per draft token)."""
+        """Profile a peak step: forward (through every adapter slot with LoRA), and on the last
+        stage logits and softmax for the most rows a step can sample (a row per request, and
+        one per draft token)."""
         num_reqs = min(self.config.max_num_seqs, num_tokens)
-        self.buffers.load(self._dummy(num_tokens, num_reqs))
-        out = self._forward(num_tokens, num_reqs)
+        num_loras = self.config.max_loras if self.lora is not None else 0
+        self.buffers.load(self._dummy(num_tokens, num_reqs, num_loras))
+        out = self._forward(num_tokens, num_reqs, num_loras)
         if self.rank.is_last_stage:
             rows = min(num_tokens, num_reqs * (1 + self.config.num_speculative_tokens))
             self.model.compute_logits(out[:rows]).float().softmax(dim=-1)

@@ -10,9 +10,10 @@ import numpy as np
 
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+from ostinato.lora.slots import AdapterSlots, LoRALoad
 from ostinato.sampling_params import SamplingParams
 
-Dispatch = Callable[[int, int, int | None], tuple[CudaGraphMode, BatchDescriptor]]
+Dispatch = Callable[[int, int, int | None, int], tuple[CudaGraphMode, BatchDescriptor]]
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,9 @@ class StepInput:
 
     Arrays: tokens [num_tokens], requests [num_reqs] (+1 for query_start_loc), block_table
     [num_reqs, widest request's blocks], logits_indices [rows whose logits are computed: one
-    per sampling row and draft token].
+    per sampling row and draft token], lora_slots [num_reqs] (each request's adapter slot, -1
+    for none; None when no request uses an adapter). lora_loads: adapters every rank copies
+    into their slots (its own layers' share) before running the step.
     """
 
     mode: CudaGraphMode
@@ -46,6 +49,8 @@ class StepInput:
     logits_indices: np.ndarray
     sampling: list[SamplingRow]
     finished: tuple[str, ...] = ()  # requests that ended since the last step
+    lora_slots: np.ndarray | None = None
+    lora_loads: tuple[LoRALoad, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -66,13 +71,21 @@ class StepInput:
 
 
 def build_step(
-    batch: ScheduledBatch, block_size: int, dispatch: Dispatch, finished: tuple[str, ...] = ()
+    batch: ScheduledBatch,
+    block_size: int,
+    dispatch: Dispatch,
+    finished: tuple[str, ...] = (),
+    lora: AdapterSlots | None = None,
 ) -> StepInput:
-    """Token-level arrays of `batch`, vectorised over tokens, and its graph decision. A
-    request's draft tokens follow its last token; each sampling request gets a logits row for
-    its last token and one per draft."""
+    """Token-level arrays of `batch`, vectorised over tokens, its adapter slots (assigned by
+    `lora`) and its graph decision. A request's draft tokens follow its last token; each
+    sampling request gets a logits row for its last token and one per draft."""
     seqs, drafts, n = batch.seqs, batch.drafts, len(batch.seqs)
-    mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len)
+    lora_slots, lora_loads, num_loras = None, (), 0
+    if lora is not None and any(s.lora_name is not None for s in seqs):
+        lora_slots, lora_loads = lora.assign([s.lora_name for s in seqs])
+        num_loras = len(np.unique(lora_slots[lora_slots >= 0]))
+    mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len, num_loras)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
     num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n)
     q = np.asarray(batch.query_lens, dtype=np.int64)
@@ -115,6 +128,8 @@ def build_step(
             for i in sampled.tolist()
         ],
         finished=finished,
+        lora_slots=lora_slots,
+        lora_loads=lora_loads,
     )
 
 
@@ -124,17 +139,20 @@ def _logits_rows(ends: np.ndarray, widths: np.ndarray) -> np.ndarray:
     return np.repeat(ends.astype(np.int64) - widths, widths) + offsets
 
 
-def dummy_step(num_tokens: int, num_reqs: int, max_model_len: int, block_size: int) -> StepInput:
+def dummy_step(
+    num_tokens: int, num_reqs: int, max_model_len: int, block_size: int, num_loras: int = 0
+) -> StepInput:
     """A fake batch that stores nothing: num_reqs requests sharing num_tokens tokens, every
     one reading block 0, for warm-up, capture and memory profiling. Its logits rows are every
-    request's last token."""
+    request's last token. With num_loras, requests take slots 0..num_loras-1 in turn (graph
+    keys of num_loras groups; groups beyond the requests are empty)."""
     lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
     lens[: num_tokens % num_reqs] += 1
     ends = np.cumsum(lens)
     seq_lens = np.minimum(lens, max_model_len)
     return StepInput(
         mode=CudaGraphMode.NONE,
-        desc=BatchDescriptor(num_tokens, num_reqs, None),
+        desc=BatchDescriptor(num_tokens, num_reqs, None, num_loras),
         input_ids=np.zeros(num_tokens, dtype=np.int64),
         positions=np.zeros(num_tokens, dtype=np.int64),
         slot_mapping=np.full(num_tokens, -1, dtype=np.int64),
@@ -143,4 +161,5 @@ def dummy_step(num_tokens: int, num_reqs: int, max_model_len: int, block_size: i
         block_table=np.zeros((num_reqs, -(-int(seq_lens.max()) // block_size)), dtype=np.int32),
         logits_indices=ends - 1,
         sampling=[],
+        lora_slots=np.arange(num_reqs, dtype=np.int32) % num_loras if num_loras else None,
     )

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,6 +24,7 @@ from ostinato.engine.async_engine import (
     Prompt,
     RequestStream,
 )
+from ostinato.lora.request import LoRARequest
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 from ostinato.server import protocol
@@ -133,23 +134,38 @@ def _failure(out: RequestOutput) -> APIError:
 class OpenAIServer:
     """Endpoint handlers; one instance per app."""
 
-    def __init__(self, engine: LLMEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        served_model_names: list[str],
+        adapters: Sequence[LoRARequest] = (),
+    ) -> None:
+        """adapters: LoRA adapters clients name as `model`; each is checked here (ValueError)."""
         self.metrics = ServerMetrics()
         self.engine = AsyncEngine(engine, on_finish=self.metrics.observe_finish)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.model_names = served_model_names
+        self.adapters: dict[str, LoRARequest] = {}
+        for adapter in adapters:
+            if adapter.name in self.model_names or adapter.name in self.adapters:
+                raise ValueError(
+                    f"LoRA module name {adapter.name!r} is taken: names of served models and "
+                    "adapters must all differ"
+                )
+            engine.register_lora(adapter)
+            self.adapters[adapter.name] = adapter
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         requests = []
         for prompt in body.prompts():
             max_tokens = self._room(prompt) if body.max_tokens is None else body.max_tokens
             requests += self._choices(body, prompt, max_tokens, body.logprobs)
-        return await self._answer(raw, body, requests, False, body.logprobs, "prompt")
+        return await self._answer(raw, body, requests, False, body.logprobs, "prompt", lora)
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         try:
             prompt = self.tokenizer.apply_chat_template(body.chat())
         except ValueError as e:
@@ -159,14 +175,19 @@ class OpenAIServer:
         if max_tokens is None:
             max_tokens = self._room(prompt)
         requests = self._choices(body, prompt, max_tokens, body.num_logprobs())
-        return await self._answer(raw, body, requests, True, body.num_logprobs(), "messages")
+        num_logprobs = body.num_logprobs()
+        return await self._answer(raw, body, requests, True, num_logprobs, "messages", lora)
 
     async def models(self) -> dict:
+        """The base model's names, then each LoRA adapter (its parent: the first name)."""
         created = int(time.time())
-        cards = [
-            {"id": name, "object": "model", "created": created, "owned_by": "ostinato"}
-            | {"max_model_len": self.max_model_len}
-            for name in self.model_names
+        card = {"object": "model", "created": created, "owned_by": "ostinato"}
+        card |= {"max_model_len": self.max_model_len}
+        cards = [card | {"id": name} for name in self.model_names]
+        parent = self.model_names[0]
+        cards += [
+            card | {"id": name, "parent": parent, "root": adapter.path}
+            for name, adapter in self.adapters.items()
         ]
         return {"object": "list", "data": cards}
 
@@ -180,10 +201,15 @@ class OpenAIServer:
         stats, report = await self.engine.call(lambda: (engine.stats(), engine.graph_report()))
         return Response(self.metrics.render(stats, report), media_type=CONTENT_TYPE)
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.model_names:
-            message = f"The model `{model}` does not exist; this server has {self.model_names}"
-            raise APIError(404, message, "model", code="model_not_found")
+    def _check_model(self, model: str) -> LoRARequest | None:
+        """The adapter `model` names, None for the base model; 404 for anything else."""
+        if model in self.model_names:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        names = self.model_names + list(self.adapters)
+        message = f"The model `{model}` does not exist; this server has {names}"
+        raise APIError(404, message, "model", code="model_not_found")
 
     def _room(self, prompt: Prompt) -> int:
         """max_tokens when the client gives none: whatever the context has left."""
@@ -207,6 +233,7 @@ class OpenAIServer:
         chat: bool,
         num_logprobs: int | None,
         param: str,
+        lora: LoRARequest | None,
     ) -> Response:
         prefix = "chatcmpl" if chat else "cmpl"
         call_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -214,7 +241,7 @@ class OpenAIServer:
         stops = requests[0][1].stop
         decode = self.tokenizer.decode
         call = _Call(call_id, body.model, chat, body.n, ids, num_logprobs, stops, decode)
-        stream = await self._add(requests, ids, param)
+        stream = await self._add(requests, ids, param, lora)
         if body.stream:
             events = self._events(call, stream, body.include_usage)
             return _EventStream(events, media_type="text/event-stream")
@@ -227,10 +254,14 @@ class OpenAIServer:
         return JSONResponse(call.envelope(choices, False, call.usage(outs)))
 
     async def _add(
-        self, requests: list[tuple[Prompt, SamplingParams]], ids: list[str], param: str
+        self,
+        requests: list[tuple[Prompt, SamplingParams]],
+        ids: list[str],
+        param: str,
+        lora: LoRARequest | None,
     ) -> RequestStream:
         try:
-            return await self.engine.add(requests, ids)
+            return await self.engine.add(requests, ids, lora)
         except ValueError as e:
             raise bad_value(e, param) from e
 
@@ -322,9 +353,12 @@ def _closed(_: Request, exc: EngineClosedError) -> JSONResponse:
     return _api_error(_, APIError(503, str(exc), None, "server_error", "shutting_down"))
 
 
-def build_app(engine: LLMEngine, served_model_names: list[str]) -> FastAPI:
-    """The app; its lifespan starts and stops the engine loop (app.state.async_engine)."""
-    server = OpenAIServer(engine, served_model_names)
+def build_app(
+    engine: LLMEngine, served_model_names: list[str], adapters: Sequence[LoRARequest] = ()
+) -> FastAPI:
+    """The app; its lifespan starts and stops the engine loop (app.state.async_engine).
+    `adapters`: LoRA adapters clients pick by name as `model`, checked here (ValueError)."""
+    server = OpenAIServer(engine, served_model_names, adapters)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

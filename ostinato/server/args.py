@@ -17,6 +17,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="names clients may give as `model` (default: the --model value)",
     )
     group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) clients pick by giving NAME as `model`; "
+        "checked at start, and they turn on --enable-lora",
+    )
+    group.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
@@ -28,3 +37,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
     )
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH for a LoRA adapter, got {text!r}")
+    return name, path

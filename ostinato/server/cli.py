@@ -22,11 +22,20 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, and return the exit status."""
     # Imported here: every ostinato command builds this parser, only serve needs the app.
     from ostinato.engine.engine import LLMEngine
+    from ostinato.lora.request import LoRARequest
     from ostinato.server.app import build_app
 
     if args.max_waiting_requests is not None:
         config = dataclasses.replace(config, max_waiting_requests=args.max_waiting_requests)
-    app = build_app(LLMEngine(config), args.served_model_name or [config.model])
+    if args.lora_modules:
+        config = dataclasses.replace(config, enable_lora=True)
+    adapters = [LoRARequest(name, path) for name, path in args.lora_modules]
+    engine = LLMEngine(config)
+    try:
+        app = build_app(engine, args.served_model_name or [config.model], adapters)
+    except ValueError:  # a bad --lora-modules entry: stop the workers, if any, before exiting
+        engine.shutdown()
+        raise
     uv_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
     )

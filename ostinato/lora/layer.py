@@ -1,0 +1,61 @@
+"""A base projection plus adapter slots: y = base(x) + the adapter term of each token's slot."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ostinato.context import get_forward_context
+from ostinato.kernels.lora import lora_expand, lora_shrink
+
+
+class LoRALinear(nn.Module):
+    """Wraps a Linear or MergedLinear (shards: q|k|v, gate|up) with `num_slots` fixed slots.
+
+    Slot buffers are allocated once, so captured graphs keep reading the same addresses while
+    adapters are copied in and out of them. A slot's shard s holds A in rows
+    [s * max_rank, s * max_rank + rank) of `lora_a` and scaling * B in columns [0, rank) of
+    `lora_b`'s rows of that shard; everything else stays zero.
+    """
+
+    def __init__(self, base: nn.Module, num_slots: int, max_rank: int) -> None:
+        super().__init__()
+        self.base = base
+        out_features, in_features = base.weight.shape
+        sizes = getattr(base, "out_sizes", [out_features])
+        self.offsets = tuple(sum(sizes[:i]) for i in range(len(sizes) + 1))
+        self.max_rank = max_rank
+        like = {"dtype": base.weight.dtype, "device": base.weight.device}
+        shards = len(sizes)
+        self.register_buffer(
+            "lora_a", torch.zeros(num_slots, shards * max_rank, in_features, **like)
+        )
+        self.register_buffer("lora_b", torch.zeros(num_slots, out_features, max_rank, **like))
+        self.register_buffer(
+            "lora_ranks", torch.zeros(num_slots, shards, dtype=torch.int32, device=like["device"])
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        meta = get_forward_context().lora
+        if meta is None:  # no adapter in this step: the base projection alone
+            return y
+        partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
+        lora_expand(partials, self.lora_b, self.lora_ranks, self.offsets, y, meta)
+        return y
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.base.split(out)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.lora_ranks[slot].zero_()
+
+    def set_shard(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """a [rank, in], b [out of this shard, rank] (scaling folded in) into a cleared slot."""
+        rank = a.shape[0]
+        row = shard * self.max_rank
+        self.lora_a[slot, row : row + rank].copy_(a)
+        self.lora_b[slot, self.offsets[shard] : self.offsets[shard + 1], :rank].copy_(b)
+        self.lora_ranks[slot, shard] = rank

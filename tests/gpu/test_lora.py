@@ -1,0 +1,136 @@
+"""On the GPU: LoRA in every graph mode equals eager with mixed adapters (checker on), graphs
+keyed by the active-adapter count are replayed, float32 tokens equal transformers + peft, and
+the Triton kernels match their torch versions in bfloat16 on Llama-3.1-8B shapes."""
+
+import gc
+
+import peft
+import pytest
+import torch
+from helpers import make_hf_checkpoint, make_peft_adapter
+from oracle import hf_greedy, hf_model, oracle_prompts
+
+from ostinato import LLM, LoRARequest, SamplingParams
+from ostinato.context import LoRAMetadata
+from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
+from ostinato.runner.input_buffers import group_by_adapter
+
+pytestmark = pytest.mark.gpu
+
+MODES = ["none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def lora_models(request, tmp_path_factory):
+    """A checkpoint and three adapters (`b` on a few projections, rsLoRA, rank 4)."""
+    root = tmp_path_factory.mktemp(request.param)
+    path = make_hf_checkpoint(request.param, root / "model")
+    b_options = {"r": 4, "target_modules": ("q_proj", "v_proj", "down_proj"), "use_rslora": True}
+    adapters = [
+        LoRARequest("a", str(make_peft_adapter(path, root / "a", seed=1))),
+        LoRARequest("b", str(make_peft_adapter(path, root / "b", seed=2, **b_options))),
+        LoRARequest("c", str(make_peft_adapter(path, root / "c", seed=3))),
+    ]
+    return path, adapters
+
+
+def engine(path, mode: str, **kw) -> LLM:
+    kw = {"dtype": "float32", "max_num_batched_tokens": 128, "max_num_seqs": 16, **kw}
+    return LLM(
+        str(path),
+        cuda_graph_mode=mode,
+        max_capture_size=128,
+        enable_lora=True,
+        max_loras=4,  # counts 0, 1, 2, 4: a step of three adapters replays a padded group
+        max_lora_rank=16,
+        gpu_memory_utilization=0.25,
+        **kw,
+    )
+
+
+def workload(llm: LLM, adapters) -> list[list[int]]:
+    """Long prompts (chunked), short ones, decode batches that need padding, and requests of
+    the base model and of one, two or three adapters at once."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [300, 3, 40, 7, 1, 129, 11, 5, 77, 2, 19, 33]
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in lengths]
+    loras = [None, adapters[0], adapters[1], adapters[2], adapters[0], None] * 2
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    return [o.token_ids for o in outs]
+
+
+def test_every_mode_matches_eager_with_mixed_adapters(lora_models):
+    path, adapters = lora_models
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference = workload(engine(path, "none"), adapters)
+    for mode in MODES[1:]:
+        llm = engine(path, mode, check_graphs=1)
+        assert workload(llm, adapters) == reference, mode
+        report = llm.graph_report()
+        replays = report["replays_by_active_loras"]
+        assert replays.get("0", 0) > 0 and replays.get("4", 0) > 0, (mode, replays)
+        assert replays.get("1", 0) + replays.get("2", 0) > 0, (mode, replays)
+        captured = [d for ds in report["captured"].values() for d in ds]
+        assert {d["num_active_loras"] for d in captured} == {0, 1, 2, 4}
+        if mode in ("piecewise", "full_and_piecewise"):
+            assert report["steps"]["piecewise"] > 0, report["steps"]
+        if mode in ("full", "full_decode_only", "full_and_piecewise"):
+            assert report["steps"]["full"] > 0, report["steps"]
+        del llm
+        gc.collect()
+
+
+def test_bfloat16_graph_checker_passes_with_adapters(lora_models):
+    path, adapters = lora_models
+    for mode in MODES[1:]:
+        llm = engine(path, mode, dtype="bfloat16", check_graphs=1)
+        workload(llm, adapters)  # raises if a graphed step leaves eager's outputs
+        assert llm.graph_report()["replays_by_active_loras"].get("4", 0) > 0
+        del llm
+        gc.collect()
+
+
+def test_float32_graphs_equal_transformers_with_peft(lora_models):
+    path, adapters = lora_models
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = oracle_prompts(300)
+    llm = engine(path, "full_and_piecewise")
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters[1])
+    with_peft = peft.PeftModel.from_pretrained(hf_model(path, "cuda"), adapters[1].path).eval()
+    assert [o.token_ids for o in outs] == hf_greedy(with_peft, prompts, 12)
+    assert llm.graph_report()["replays_by_active_loras"].get("1", 0) > 0
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 200, 512])
+@pytest.mark.parametrize("shards", [[4096, 1024, 1024], [14336, 14336], [4096]])
+def test_kernels_match_torch_on_8b_shapes(num_tokens, shards):
+    torch.manual_seed(0)
+    slots, rank_max, k = 4, 16, 4096
+    dev, dtype = "cuda", torch.bfloat16
+    a = torch.randn(slots, len(shards) * rank_max, k, device=dev).div(k**0.5).to(dtype)
+    b = torch.randn(slots, sum(shards), rank_max, device=dev).to(dtype)
+    ranks = torch.tensor([[16] * len(shards), [8] * len(shards), [16] * len(shards),
+                          [0] * len(shards)], dtype=torch.int32, device=dev)  # fmt: skip
+    a[1].view(len(shards), rank_max, k)[:, 8:] = 0  # rank 8: zero beyond it, as slots keep it
+    b[1, :, 8:] = 0
+    offsets = tuple(sum(shards[:i]) for i in range(len(shards) + 1))
+    token_slots = torch.randint(-1, 3, (num_tokens,)).numpy()
+    tokens, used, starts, counts = group_by_adapter(token_slots)
+    pad = 4 - len(used)
+    as_int = lambda v: torch.tensor([*v, *[0] * pad], dtype=torch.int32, device=dev)
+    meta = LoRAMetadata(4, torch.tensor(tokens, dtype=torch.int32, device=dev), as_int(used),
+                        as_int(starts), as_int(counts))  # fmt: skip
+    x = torch.randn(num_tokens, k, device=dev).to(dtype)
+    y = torch.randn(num_tokens, sum(shards), device=dev).to(dtype)
+    want = y.clone()
+    lora_expand_torch(lora_shrink_torch(x, a, ranks, meta), b, ranks, offsets, want, meta)
+    got = y.clone()
+    lora_expand(lora_shrink(x, a, ranks, meta), b, ranks, offsets, got, meta)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    untouched = torch.from_numpy(token_slots < 0).to(dev)
+    assert torch.equal(got[untouched], y[untouched])

@@ -1,0 +1,105 @@
+"""The batched LoRA kernels under TRITON_INTERPRET=1 against their torch versions and a float64
+per-token reference: mixed adapters, tokens with none, ranks below the slot size, a shard the
+adapter leaves alone, split K, and padded groups."""
+
+import numpy as np
+import pytest
+import torch
+
+from ostinato.context import LoRAMetadata
+from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
+from ostinato.runner.input_buffers import group_by_adapter
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
+# float16 stands for the half types: Triton's interpreter gets bfloat16 tl.dot wrong
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+
+
+def metadata(token_slots: list[int], num_active: int) -> LoRAMetadata:
+    tokens, slots, starts, counts = group_by_adapter(np.asarray(token_slots))
+    pad = num_active - len(slots)
+    as_tensor = lambda a, fill=0: torch.tensor([*a, *[fill] * pad], dtype=torch.int32)
+    return LoRAMetadata(
+        num_active, torch.tensor(tokens, dtype=torch.int32), as_tensor(slots),
+        as_tensor(starts), as_tensor(counts),
+    )  # fmt: skip
+
+
+def adapters(slots, shard_sizes, k, rank_max, ranks, dtype):
+    """Slot buffers holding adapter s at rank ranks[s][shard], zero beyond it."""
+    shards = len(shard_sizes)
+    a = torch.zeros(slots, shards * rank_max, k)
+    b = torch.zeros(slots, sum(shard_sizes), rank_max)
+    offsets = [0, *np.cumsum(shard_sizes).tolist()]
+    for s in range(slots):
+        for h in range(shards):
+            r = ranks[s][h]
+            a[s, h * rank_max : h * rank_max + r] = torch.randn(r, k) / k**0.5
+            b[s, offsets[h] : offsets[h + 1], :r] = torch.randn(shard_sizes[h], r)
+    rank_tensor = torch.tensor(ranks, dtype=torch.int32)
+    return a.to(dtype), b.to(dtype), rank_tensor, tuple(offsets)
+
+
+def reference_64(x, y, a, b, token_slots, offsets, rank_max):
+    out = y.double().clone()
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        for h, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
+            a_h = a[slot, h * rank_max : (h + 1) * rank_max].double()
+            out[t, lo:hi] += b[slot, lo:hi].double() @ (a_h @ x[t].double())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("num_tokens", "shard_sizes", "k"),
+    [(5, [64, 32, 32], 256), (40, [48], 80), (3, [96, 96], 64)],  # split K; odd widths; 2 shards
+)
+def test_shrink_expand_match_torch_and_reference(dtype, num_tokens, shard_sizes, k):
+    rank_max, slots = 16, 3
+    ranks = [[8] * len(shard_sizes), [16] * len(shard_sizes), [4] * len(shard_sizes)]
+    ranks[0][-1] = 0  # adapter in slot 0 leaves its last shard alone
+    a, b, rank_tensor, offsets = adapters(slots, shard_sizes, k, rank_max, ranks, dtype)
+    token_slots = torch.randint(-1, slots, (num_tokens,)).tolist()
+    token_slots[0], token_slots[-1] = -1, 1
+    meta = metadata(token_slots, num_active=4)  # more groups than adapters: padded ones
+    x = torch.randn(num_tokens, k).to(dtype)
+    y = torch.randn(num_tokens, sum(shard_sizes)).to(dtype)
+    expected = reference_64(x, y, a, b, token_slots, offsets, rank_max)
+
+    y_torch = y.clone()
+    lora_expand_torch(lora_shrink_torch(x, a, rank_tensor, meta), b, rank_tensor, offsets,
+                      y_torch, meta)  # fmt: skip
+    partials = lora_shrink(x, a, rank_tensor, meta)
+    y_triton = y.clone()
+    lora_expand(partials, b, rank_tensor, offsets, y_triton, meta)
+
+    tol = TOL[dtype]
+    for got in (y_torch, y_triton):
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    untouched = [t for t, s in enumerate(token_slots) if s < 0]
+    assert torch.equal(y_triton[untouched], y[untouched])
+    assert not torch.equal(y_triton, y)
+    if num_tokens == 5:
+        assert partials.shape[0] > 1  # the decode-sized case splits K
+
+
+def test_no_grouped_token_leaves_the_output_alone():
+    a, b, ranks, offsets = adapters(2, [32], 64, 16, [[16], [16]], torch.float32)
+    meta = metadata([-1, -1, -1], num_active=2)
+    x, y = torch.randn(3, 64), torch.randn(3, 32)
+    out = y.clone()
+    lora_expand(lora_shrink(x, a, ranks, meta), b, ranks, offsets, out, meta)
+    assert torch.equal(out, y)
+
+
+def test_group_by_adapter_keeps_token_order_within_a_group():
+    tokens, slots, starts, counts = group_by_adapter(np.array([2, -1, 0, 2, 0, -1, 3]))
+    assert tokens.tolist() == [2, 4, 0, 3, 6]
+    assert (slots.tolist(), starts.tolist(), counts.tolist()) == ([0, 2, 3], [0, 2, 4], [2, 2, 1])
