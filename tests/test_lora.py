@@ -124,6 +124,17 @@ def test_mixed_batch_equals_each_request_alone(models, max_loras):
     assert tokens(LLM(str(models["llama"]), **ENGINE), base) == [mixed[0], mixed[3]]
 
 
+def test_speculative_decoding_with_adapters_gives_the_same_tokens(models):
+    a = LoRARequest("a", str(models["llama_a"]))
+    b = LoRARequest("b", str(models["llama_b"]))
+    prompts = oracle_prompts(300, seed=5)
+    loras = [None, a, b, None, a, b, a]
+    want = tokens(lora_llm(models["llama"]), prompts, loras)
+    llm = lora_llm(models["llama"], speculative_method="ngram", num_speculative_tokens=3)
+    assert tokens(llm, prompts, loras) == want
+    assert llm.stats()["spec_draft_tokens"] > 0
+
+
 def test_prefix_cache_never_crosses_adapters(models):
     a = LoRARequest("a", str(models["llama_a"]))
     b = LoRARequest("b", str(models["llama_b"]))
