@@ -1,12 +1,13 @@
 """Kernel benchmarks on one GPU, printed as a markdown table and written to --out.
 
-    python benchmarks/bench_kernels.py --out benchmarks/kernels-h100.md [--sweep]
+    python benchmarks/bench_kernels.py --out benchmarks/kernels-h100.md [--sections ...]
 
 Measures the device-to-device copy bandwidth and the bf16 matmul rate (the two ceilings),
-decode and prefill paged attention in a Llama-3.1-8B layer shape against them, and the fused
-norm / RoPE / activation kernels against the torch sequences they replace. Kernels are timed
-inside CUDA graphs, as the engine runs them: no launch overhead, and each captured call reads
-its own KV blocks so the L2 cache cannot serve repeats. --sweep also times other launch
+decode and prefill paged attention in a Llama-3.1-8B layer shape against them, the fused
+norm / RoPE + KV store / activation kernels against the torch sequences they replace, and the
+small-batch projection kernel against cuBLAS. Kernels are timed inside CUDA graphs, as the
+engine runs them: no launch overhead, and each captured call reads its own KV blocks or
+weights so the L2 cache cannot serve repeats. The `sweep` section also times other launch
 configurations of the attention kernel, to tune `choose_config`.
 """
 
@@ -20,13 +21,15 @@ import subprocess
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ostinato.kernels import fused_add_rms_norm, rms_norm, rotary, silu_and_mul
+from ostinato.kernels import fused_add_rms_norm, rms_norm, rope_and_store, silu_and_mul
 from ostinato.kernels.activation import silu_and_mul_torch
+from ostinato.kernels.gemv import gemv
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from ostinato.kernels.rope import rotary_torch
+from ostinato.kernels.rope_store import rotary_torch
 
 attention = importlib.import_module("ostinato.kernels.paged_attention")
 
@@ -103,8 +106,12 @@ class KVPool:
         for i in range(count):
             table = order[i * blocks : (i + 1) * blocks].view(len(seq_lens), width)
             args = (q, self.k, self.v, out, query_start_loc, lens, table, HEAD_DIM**-0.5, config)
-            calls.append(lambda args=args: attention._paged_attention_triton(*args))
+            calls.append(lambda args=args: _attend(*args))
         return calls
+
+
+def _attend(q, k, v, out, query_start_loc, lens, table, scale, config) -> None:
+    attention.PagedAttention(q, out, k, query_start_loc, lens, table, scale, config)(q, k, v, out)
 
 
 def decode_rows(pool: KVPool, copy_bw: float) -> list[list[str]]:
@@ -154,10 +161,16 @@ def fused_cases(tokens: int) -> list[tuple[str, Callable, Callable]]:
     residual = torch.randn_like(x)
     weight = torch.rand(HIDDEN, device=dev, dtype=bf16) + 0.5
     qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=bf16)
-    q = qkv[:, : HEADS * HEAD_DIM].view(tokens, HEADS, HEAD_DIM)
-    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(tokens, KV_HEADS, HEAD_DIM)
+    q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=1)
+    q, k, v = (t.view(tokens, -1, HEAD_DIM) for t in (q, k, v))
     positions = torch.randint(0, 8192, (tokens,), device=dev)
     cache = torch.randn(8192, HEAD_DIM, device=dev)
+    blocks = 2 * tokens // BLOCK
+    kv_cache = [
+        torch.zeros(blocks, BLOCK, KV_HEADS, HEAD_DIM, device=dev, dtype=bf16) for _ in "kv"
+    ]
+    slots = torch.randperm(blocks * BLOCK, device=dev)[:tokens]
+    rope_args = (q, k, v, positions, cache, *kv_cache, slots)
     gate_up = torch.randn(tokens, 2 * INTERMEDIATE, device=dev, dtype=bf16)
     return [
         ("rms_norm", lambda: rms_norm(x, weight, 1e-6), lambda: rms_norm_torch(x, weight, 1e-6)),
@@ -167,12 +180,19 @@ def fused_cases(tokens: int) -> list[tuple[str, Callable, Callable]]:
             lambda: fused_add_rms_norm_torch(x, residual, weight, 1e-6),
         ),
         (
-            "rotary (q and k)",
-            lambda: rotary(q, k, positions, cache),
-            lambda: rotary_torch(q, k, positions, cache),
+            "rotary (q and k) + KV store",
+            lambda: rope_and_store(*rope_args),
+            lambda: _rope_then_store_torch(*rope_args),
         ),
         ("silu_and_mul", lambda: silu_and_mul(gate_up), lambda: silu_and_mul_torch(gate_up)),
     ]
+
+
+def _rope_then_store_torch(q, k, v, positions, cache, k_cache, v_cache, slots) -> None:
+    """The unfused torch sequence, capturable (every slot valid)."""
+    rotary_torch(q, k, positions, cache)
+    k_cache.view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, slots, k)
+    v_cache.view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, slots, v)
 
 
 def fused_rows() -> list[list[str]]:
@@ -265,49 +285,122 @@ def commit() -> str:
         return "unknown"
 
 
+def gemv_rows(copy_bw: float) -> list[list[str]]:
+    """Small-batch projections: our kernel against cuBLAS (and, for gate|up, cuBLAS plus our
+    silu_and_mul), each call on its own weights from a ring larger than L2."""
+    rows = []
+    for name, (n, k, silu) in GEMV_SHAPES.items():
+        count = max(4, min(64, L2_FLUSH_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        for m in (1, 4):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def ours(w, x=x, silu=silu):
+                return gemv(x, w, silu_and_mul=silu)
+
+            def cublas(w, x=x, silu=silu):
+                y = F.linear(x, w)
+                return silu_and_mul(y) if silu else y
+
+            times = [
+                graph_seconds([lambda w=w, f=f: f(w) for w in weights]) for f in (ours, cublas)
+            ]
+            rate = [n * k * 2 / t / 1e12 for t in times]
+            rows.append([
+                name, str(m), f"{n * k * 2 / 1e6:.1f}", f"{times[0] * 1e6:.2f}",
+                f"{times[1] * 1e6:.2f}", f"{rate[0]:.2f}", f"{rate[1]:.2f}",
+                f"{times[1] / times[0]:.2f}x",
+            ])  # fmt: skip
+    return rows
+
+
+GEMV_SHAPES = {  # name: (weight rows, K, gate|up with SiLU)
+    "qwen3-0.6b qkv": (4096, 1024, False),
+    "qwen3-0.6b o": (1024, 2048, False),
+    "qwen3-0.6b gate|up + silu": (6144, 1024, True),
+    "qwen3-0.6b down": (1024, 3072, False),
+    "qwen3-1.7b gate|up + silu": (12288, 2048, True),
+    "llama-3.2-1b down": (2048, 8192, False),
+    "llama-3.1-8b o": (4096, 4096, False),
+    "llama-3.1-8b qkv": (6144, 4096, False),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the markdown report here")
-    parser.add_argument("--sweep", action="store_true", help="time other attention configs")
+    parser.add_argument(
+        "--sections",
+        default="decode,prefill,fused,gemv",
+        help="comma-separated: decode, prefill, fused, gemv, sweep (launch configurations)",
+    )
     args = parser.parse_args()
+    chosen = set(args.sections.split(","))
     torch.manual_seed(0)
     copy_bw, matmul = copy_bandwidth(), matmul_flops()
-    pool = KVPool(blocks=128 * 8192 // BLOCK)  # the largest decode case, 4.3 GB of K and V
+    pool = KVPool(blocks=128 * 8192 // BLOCK) if chosen & {"decode", "prefill", "sweep"} else None
     sections = [
         f"# Kernel benchmarks: {torch.cuda.get_device_name()}\n\n"
         f"commit {commit()}, {datetime.date.today()}, torch {torch.__version__}, "
         f"triton {triton.__version__}; kernels timed inside CUDA graphs, bf16\n",
         f"Ceilings: device-to-device copy {copy_bw / 1e12:.2f} TB/s (read + written), "
         f"torch bf16 matmul 8192^3 {matmul / 1e12:.0f} TFLOP/s\n",
-        f"## Decode attention (query length 1; {HEADS} heads, {KV_HEADS} KV heads, head_dim "
-        f"{HEAD_DIM}; target: KV read at >= {DECODE_TARGET:.0%} of copy bandwidth at batch >= 8, "
-        "context >= 2k)\n\n"
-        + table(
-            ["batch", "context", "µs", "KV MB", "TB/s", "of copy", "target", "vs target"],
-            decode_rows(pool, copy_bw),
-        ),
-        f"## Prefill attention (causal, fresh prompts; target >= {PREFILL_TARGET:.0%} of the "
-        "matmul rate)\n\n"
-        + table(
-            ["tokens", "ms", "TFLOP/s", "of matmul", "target", "vs target"],
-            prefill_rows(pool, matmul),
-        ),
-        "## Fused kernels against the torch sequences they replace (Llama-3.1-8B sizes; µs per "
-        "call in a CUDA graph, and eager by do_bench)\n\n"
-        + table(
-            [
-                "op",
-                "tokens",
-                "triton graph",
-                "torch graph",
-                "speedup",
-                "triton eager",
-                "torch eager",
-            ],
-            fused_rows(),
-        ),  # fmt: skip
     ]
-    if args.sweep:
+    if "decode" in chosen:
+        sections.append(
+            f"## Decode attention (query length 1; {HEADS} heads, {KV_HEADS} KV heads, head_dim "
+            f"{HEAD_DIM}; target: KV read at >= {DECODE_TARGET:.0%} of copy bandwidth at batch "
+            ">= 8, context >= 2k)\n\n"
+            + table(
+                ["batch", "context", "µs", "KV MB", "TB/s", "of copy", "target", "vs target"],
+                decode_rows(pool, copy_bw),
+            )
+        )
+    if "prefill" in chosen:
+        sections.append(
+            f"## Prefill attention (causal, fresh prompts; target >= {PREFILL_TARGET:.0%} of "
+            "the matmul rate)\n\n"
+            + table(
+                ["tokens", "ms", "TFLOP/s", "of matmul", "target", "vs target"],
+                prefill_rows(pool, matmul),
+            )
+        )
+    if "fused" in chosen:
+        sections.append(
+            "## Fused kernels against the torch sequences they replace (Llama-3.1-8B sizes; µs "
+            "per call in a CUDA graph, and eager by do_bench)\n\n"
+            + table(
+                [
+                    "op",
+                    "tokens",
+                    "triton graph",
+                    "torch graph",
+                    "speedup",
+                    "triton eager",
+                    "torch eager",
+                ],
+                fused_rows(),
+            )  # fmt: skip
+        )
+    if "gemv" in chosen:
+        sections.append(
+            "## Small-batch projections: gemv against cuBLAS (µs per call in a CUDA graph; TB/s "
+            "of weight read)\n\n"
+            + table(
+                [
+                    "weight",
+                    "rows",
+                    "MB",
+                    "gemv µs",
+                    "cuBLAS µs",
+                    "gemv TB/s",
+                    "cuBLAS TB/s",
+                    "speedup",
+                ],
+                gemv_rows(copy_bw),
+            )  # fmt: skip
+        )
+    if "sweep" in chosen:
         sections.append(
             "## Attention launch configurations (µs, fastest first)\n\n"
             + table(["case", "config", "µs"], sweep_rows(pool))

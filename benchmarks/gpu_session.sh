@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh capture M   # start-up, capture and first token, eager vs lazy
 #   bash benchmarks/gpu_session.sh serve M     # bench serve at three rates, each graph mode
 #   bash benchmarks/gpu_session.sh generate M  # ostinato generate with model M
+#   bash benchmarks/gpu_session.sh profile M   # step profile per graph mode (profile_step.py)
 #   bash benchmarks/gpu_session.sh parallel    # two GPUs: pipeline / tensor parallel tests
 #   bash benchmarks/gpu_session.sh parallel-bench M  # two GPUs: P=1 vs P=2 vs T=2 benches
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
@@ -135,12 +136,24 @@ for batch, adapters, limit in ((1, 1, 1.15), (32, 4, 1.3)):
           f"LoRA engine without adapters {lora[batch, 0]:.3f} ms = {lora[batch, 0] / base[batch]:.3f}x")
 PY
   ;;
+profile)  # MODEL [BASELINE_TREE]: the step profile per mode; with a second checkout, it too
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  modes=none,piecewise,full_and_piecewise
+  case "$model" in *8b*) modes=piecewise,full_and_piecewise ;; esac
+  if [ -n "${3:-}" ]; then  # the same script over another tree (e.g. the commit before)
+    (cd "$3" && PYTHONPATH=. python3 "$OLDPWD/benchmarks/profile_step.py" --model "$model" \
+      --modes "$modes" --label before --json "$OUT/profile.jsonl" > "$OUT/profile-before.log" 2>&1)
+  fi
+  python3 benchmarks/profile_step.py --model "$model" --modes "$modes" --label after \
+    --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile.log" | grep -v '^{' | tail -n 40
+  ;;
 generate)
   python3 -m ostinato.cli generate --model "${2:?model}" --max-tokens 16 --max-model-len 2048 \
     "The capital of France is" 2>&1 | tail -n 8 | tee "$OUT/generate.txt"
   ;;
 *)
-  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | generate MODEL | parallel | parallel-bench MODEL | lora MODEL" >&2
+  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | profile MODEL [TREE] | generate MODEL | parallel | parallel-bench MODEL | lora MODEL" >&2
   exit 2
   ;;
 esac

@@ -1,79 +1,302 @@
-"""Where a decode step's time goes: host phases timed with device syncs, and the graph alone.
+"""Where a step's time goes, per graph mode: decode time per output token, the step's phases,
+the kernels each decoder layer launches, the cost of one eager attention call (the piece a
+PIECEWISE graph runs between its segments) and a mixed step (a prefill chunk beside decodes).
 
-PYTHONPATH=. python3 benchmarks/profile_step.py --model random:qwen3-0.6b --batch-size 1
+    PYTHONPATH=. python3 benchmarks/profile_step.py --model random:qwen3-0.6b \
+        --modes none,piecewise,full_and_piecewise --batch-sizes 1,32 --json out.jsonl
+
+Each result is one JSON line (--json appends them to a file) and a line of the table printed
+at the end. Prompts are 512 random tokens, unique per request, so the prefix cache serves none.
 """
 
+from __future__ import annotations
+
 import argparse
+import gc
+import importlib
+import json
+import statistics
 import time
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 
+from ostinato.bench import copy_bandwidth, decode_floor_bytes
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
 from ostinato.engine.engine import LLMEngine
 from ostinato.graphs.modes import CudaGraphMode
 from ostinato.sampling_params import SamplingParams
 
+PROMPT = 512
+_seed = iter(range(10**9))
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="random:qwen3-0.6b")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=50)
-    args = parser.parse_args()
-    engine = LLMEngine(EngineConfig(model=args.model, max_model_len=2048))
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    for _ in range(args.batch_size):
-        engine.add_request(list(range(100, 228)), params)
-    for _ in range(5):
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(next(_seed))
+    return torch.randint(100, min(engine.vocab_size, 30000), (count, length), generator=g).tolist()
+
+
+def start_decoding(engine: LLMEngine, batch: int, max_tokens: int) -> None:
+    """batch requests past their prefill, each with a sampled token."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = {engine.add_request(p, params) for p in prompts(engine, batch, PROMPT)}
+    started: set[str] = set()
+    while not ids <= started:
+        started.update(o.request_id for o in engine.step())
+
+
+def finish(engine: LLMEngine) -> None:
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
         engine.step()
-    runner, sync = engine.runner, torch.cuda.synchronize
-    names = ["schedule", "prepare", "replay+logits", "sample", "step (no syncs)"]
-    phases = dict.fromkeys(names, 0.0)
-    for _ in range(args.steps):
+
+
+def decode_ms(engine: LLMEngine, batch: int, steps: int) -> float:
+    """Milliseconds per decode step of `batch` requests (one output token each)."""
+    start_decoding(engine, batch, steps + 20)
+    for _ in range(3):
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    finish(engine)
+    return ms
+
+
+def phases(engine: LLMEngine, batch: int, steps: int) -> dict:
+    """Decode steps cut into prepare (host arrays + copies), forward (graph replay, PIECEWISE
+    segments and breaks, or eager) and logits + sampling, each closed by a device sync."""
+    start_decoding(engine, batch, steps + 20)
+    runner = engine.runner
+    totals = Counter()
+    mode = None
+    for _ in range(steps):
         sync()
         t0 = time.perf_counter()
-        batch = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        step = runner.build_step(batch)
-        assert step.mode is CudaGraphMode.FULL, "a uniform decode batch should replay a FULL graph"
+        sched = engine.scheduler.schedule()
+        step = runner.build_step(sched)
         runner.buffers.load(step)
         sync()
+        t1 = time.perf_counter()
+        out = forward(runner, step)
+        sync()
         t2 = time.perf_counter()
-        ctx = ForwardContext(
-            runner.buffers.metadata(step.padded_tokens, step.padded_reqs),
-            runner.kv_caches,
-            runner.backend,
-        )
-        with forward_context(ctx):
-            hidden = runner.graphs.run(step.mode, step.desc, step.num_tokens, None)
-        logits = runner._logits(hidden, len(step.sampling))
-        sync()
+        sampled = runner.sampler(runner._logits(out, len(step.sampling)), step.sampling)
         t3 = time.perf_counter()
-        out = runner.sampler(logits, step.sampling)
-        t4 = time.perf_counter()
-        engine.scheduler.complete(batch)
-        seqs = {seq.request_id: seq for seq in batch.seqs}
-        for row, tok in zip(step.sampling, out.token_ids, strict=True):
-            engine._append_token(seqs[row.request_id], tok, None)
-        for name, dt in zip(list(phases)[:4], (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-            phases[name] += dt
+        engine.scheduler.complete(sched)
+        seqs = {seq.request_id: seq for seq in sched.seqs}
+        for row, token in zip(step.sampling, sampled.token_ids, strict=True):
+            engine._append_token(seqs[row.request_id], token, None)
+        totals.update(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
+        mode = step.mode.value
+    finish(engine)
+    return {"step_mode": mode, **{k: v / steps * 1e3 for k, v in totals.items()}}
+
+
+def forward(runner, step):
+    ctx = ForwardContext(
+        runner.buffers.metadata(step.padded_tokens, step.padded_reqs),
+        runner.kv_caches,
+        runner.backend,
+    )
+    with forward_context(ctx):
+        return runner.graphs.run(
+            step.mode, step.desc, step.num_tokens, lambda: runner._model_forward(step.padded_tokens)
+        )
+
+
+def one_decode_step(engine: LLMEngine, batch: int):
+    """A decode step of `batch` requests loaded into the buffers; it may run any number of
+    times (it rewrites the same KV slots), and is handed back unrun."""
+    start_decoding(engine, batch, 1000)
+    sched = engine.scheduler.schedule()
+    step = engine.runner.build_step(sched)
+    engine.runner.buffers.load(step)
+    engine.scheduler.complete(sched, ran=False)
+    sync()
+    return step
+
+
+def kernels(engine: LLMEngine, batch: int) -> dict:
+    """Kernels one decode step launches, by name, counted by the profiler over its forward."""
+    step = one_decode_step(engine, batch)
+    forward(engine.runner, step)
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        forward(engine.runner, step)
         sync()
-        t6 = time.perf_counter()
+    names: Counter[str] = Counter()
+    device_us: Counter[str] = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem"):
+            names[e.name[:60]] += 1
+            device_us[e.name[:60]] += e.device_time
+    layers = engine.hf_config.num_hidden_layers
+    finish(engine)
+    return {
+        "step_mode": step.mode.value,
+        "kernels": sum(names.values()),
+        "per_layer": sum(names.values()) / layers,
+        "device_ms": sum(device_us.values()) / 1e3,
+        "by_name": {n: [c, round(device_us[n], 1)] for n, c in names.most_common()},
+    }
+
+
+def per_call_us(fn: Callable[[], object], calls: int = 200) -> float:
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def pieces(engine: LLMEngine, batch: int) -> dict:
+    """In PIECEWISE mode: one eager attention call (a break of the captured graph, run with the
+    live batch as a replay runs it) and one captured segment, each timed over back-to-back
+    calls (host and device overlap, as in a step), and the break's device time alone."""
+    step = one_decode_step(engine, batch)
+    runner = engine.runner
+    graph = runner.graphs.graphs[CudaGraphMode.PIECEWISE][step.desc]
+    segment, brk = graph._steps[2], graph._steps[1]
+    ctx = ForwardContext(
+        runner.buffers.metadata(step.padded_tokens, step.padded_reqs),
+        runner.kv_caches,
+        runner.backend,
+    )
+    with forward_context(ctx):
+        result = {
+            "attention_call_us": per_call_us(brk),
+            "segment_replay_us": per_call_us(segment),
+            "breaks": graph.num_breaks,
+        }
+        latency = []
+        for _ in range(50):
+            sync()
+            t0 = time.perf_counter()
+            brk()
+            sync()
+            latency.append((time.perf_counter() - t0) * 1e6)
+        result["attention_call_then_sync_us"] = statistics.median(latency)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(20):
+                brk()
+        g.replay()
+        sync()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            g.replay()
+        end.record()
+        sync()
+        result["attention_device_us"] = start.elapsed_time(end) * 1e3 / 200
+        del g
+    finish(engine)
+    return result
+
+
+def mixed_step_ms(engine: LLMEngine, decodes: int = 31, chunk: int = 256, reps: int = 5) -> dict:
+    """One step holding a fresh `chunk`-token prompt beside `decodes` running decodes."""
+    start_decoding(engine, decodes, 1000)
+    times, modes = [], Counter()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for _ in range(reps):
+        engine.step()
+        before = dict(engine.graph_report()["steps"])
+        engine.add_request(prompts(engine, 1, chunk)[0], params)
+        sync()
+        t0 = time.perf_counter()
         engine.step()
         sync()
-        phases["step (no syncs)"] += time.perf_counter() - t6
-    g = runner.graphs.graphs[CudaGraphMode.FULL][step.desc]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(100):
-        g.replay()
-    end.record()
-    sync()
-    for name, total in phases.items():
-        print(f"{name:>16}: {total / args.steps * 1e3:.3f} ms")
-    graph_ms = start.elapsed_time(end) / 100
-    print(f"{'graph on device':>16}: {graph_ms:.3f} ms (100 back-to-back replays)")
+        times.append((time.perf_counter() - t0) * 1e3)
+        after = engine.graph_report()["steps"]
+        modes.update(m for m in after if after[m] > before.get(m, 0))
+    finish(engine)
+    return {"mixed_step_ms": statistics.median(times), "step_mode": ",".join(modes)}
+
+
+def build(model: str, mode: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=2048))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="random:qwen3-0.6b")
+    parser.add_argument("--modes", default="none,piecewise,full_and_piecewise")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--sections", default="decode,phases,kernels,pieces,mixed")
+    parser.add_argument("--label", default="", help="a tag for this tree, e.g. a commit")
+    parser.add_argument("--json", help="append every result here as a JSON line")
+    parser.add_argument("--no-pdl", action="store_true", help="A/B: launch without PDL")
+    parser.add_argument("--no-gemv", action="store_true", help="A/B: cuBLAS for every projection")
+    args = parser.parse_args()
+    if args.no_pdl:
+        importlib.import_module("ostinato.kernels.dispatch").PDL = False
+    if args.no_gemv:
+        importlib.import_module("ostinato.kernels.gemv").MAX_ROWS = 0
+    sections = set(args.sections.split(","))
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    bandwidth = copy_bandwidth()
+    rows = []
+
+    def emit(**result) -> None:
+        result = {"label": args.label, "model": args.model, **result}
+        rows.append(result)
+        print(json.dumps(result), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+    for mode in args.modes.split(","):
+        engine = build(args.model, mode)
+        for batch in batches:
+            if "decode" in sections:
+                ms = decode_ms(engine, batch, args.steps)
+                floor = decode_floor_bytes(engine, batch, PROMPT + args.steps // 2) / bandwidth
+                emit(mode=mode, batch=batch, section="decode", tpot_ms=ms,
+                     floor_ms=floor * 1e3, ratio=ms / (floor * 1e3))  # fmt: skip
+            if "phases" in sections:
+                emit(mode=mode, batch=batch, section="phases", **phases(engine, batch, 20))
+            if "kernels" in sections and batch == 1 and mode != "none":
+                emit(mode=mode, batch=batch, section="kernels", **kernels(engine, batch))
+            if "pieces" in sections and mode == "piecewise":
+                emit(mode=mode, batch=batch, section="pieces", **pieces(engine, batch))
+        if "mixed" in sections:
+            emit(mode=mode, section="mixed", **mixed_step_ms(engine))
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    skip = {"label", "model", "section", "by_name"}
+    for row in rows:
+        fields = "  ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in row.items()
+            if k not in skip
+        )
+        print(f"{row['label']:>8} {row['model'][-12:]:>12} {row['section']:>8}  {fields}")
+    for row in rows:
+        if row["section"] == "kernels":
+            print(f"kernels of one {row['mode']} decode step ({row['label']}), count, device µs:")
+            for name, (count, us) in list(row["by_name"].items())[:14]:
+                print(f"  {count:5d} {us:9.1f}  {name}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,10 +47,18 @@ class LoRAMetadata:
 
 @dataclass
 class ForwardContext:
+    """Made once per step (and per graph capture), so what attention derives from the batch
+    alone is derived here once (the backend's plan), not again in every layer."""
+
     attn_metadata: AttentionMetadata | None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per global layer index
-    backend: object  # AttentionBackend; typed loosely to keep this module import-free
+    backend: Any  # AttentionBackend; typed loosely to keep this module import-free
     lora: LoRAMetadata | None = None  # None: no token of this step uses an adapter
+    attention: Any = field(init=False)  # the backend's AttentionPlan for this step
+
+    def __post_init__(self) -> None:
+        meta = self.attn_metadata
+        self.attention = None if meta is None else self.backend.plan(meta)
 
 
 _context: ForwardContext | None = None

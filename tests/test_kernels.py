@@ -1,6 +1,7 @@
 """The Triton kernels under TRITON_INTERPRET=1 on small shapes, against their torch versions and
 a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
 
+import copy
 import importlib
 
 import pytest
@@ -9,15 +10,14 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ostinato.kernels import (
+    PagedAttention,
     fused_add_rms_norm,
-    qk_norm_rope,
     rms_norm,
-    rotary,
+    rope_and_store,
     silu_and_mul,
-    store_kv,
 )
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.kv_store import store_kv_torch
+from ostinato.kernels.gemv import gemv, gemv_pays, gemv_torch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import (
     Config,
@@ -25,8 +25,7 @@ from ostinato.kernels.paged_attention import (
     choose_config,
     paged_attention_torch,
 )
-from ostinato.kernels.qk_norm_rope import qk_norm_rope_torch
-from ostinato.kernels.rope import rotary_torch
+from ostinato.kernels.rope_store import rope_and_store_torch
 
 # the package re-exports the function under the module's name, so reach the module itself
 attention_module = importlib.import_module("ostinato.kernels.paged_attention")
@@ -53,7 +52,7 @@ def test_cpu_tensors_take_the_torch_path_without_the_interpreter(monkeypatch):
     def fail(*args):
         raise AssertionError("the Triton path ran on CPU tensors")
 
-    monkeypatch.setattr(attention_module, "_paged_attention_triton", fail)
+    monkeypatch.setattr(attention_module, "PagedAttention", fail)
     batch = make_batch([2], [5], 2, 1, 16, torch.float32)
     paged_attention(*batch.args(torch.empty_like(batch.q)), 0.25)
 
@@ -63,27 +62,6 @@ def test_interpreted_launch_leaves_triton_language_compiled():
     compiled kernels elsewhere in the process keep working."""
     silu_and_mul(torch.randn(2, 32))
     assert type(tl.sum) is JITFunction and type(tl.cdiv) is JITFunction
-
-
-# ---- store_kv ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_matches_torch_and_skips_slot_minus_one(dtype):
-    tokens, kv_heads, head_dim, blocks, block_size = 21, 2, 64, 6, 16
-    kv = torch.randn(tokens, 2 * kv_heads, head_dim).to(dtype)
-    k, v = kv[:, :kv_heads], kv[:, kv_heads:]  # strided views, as split from a fused projection
-    slots = torch.randperm(blocks * block_size)[:tokens]
-    slots[[0, 7, 20]] = -1
-    caches = [
-        torch.full((blocks, block_size, kv_heads, head_dim), NAN, dtype=dtype) for _ in "kvKV"
-    ]
-    store_kv(k, v, caches[0], caches[1], slots)
-    store_kv_torch(k, v, caches[2], caches[3], slots)
-    for ours, theirs in ((caches[0], caches[2]), (caches[1], caches[3])):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
-    written = ~caches[0].isnan().view(-1, kv_heads * head_dim).all(-1)
-    assert written.sum() == tokens - 3
 
 
 # ---- norms -------------------------------------------------------------------------------
@@ -123,9 +101,6 @@ def test_fused_add_rms_norm_in_place(dtype):
     close(x, rms_norm_64(reference_res, weight, 1e-6), dtype)
 
 
-# ---- rotary ------------------------------------------------------------------------------
-
-
 def cos_sin_cache(head_dim, max_position, theta=10000.0):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
@@ -136,26 +111,6 @@ def rotary_64(x, positions, cache):
     cos, sin = cache[positions].double().unsqueeze(1).chunk(2, dim=-1)
     x1, x2 = x.double().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_on_strided_q_and_k(dtype):
-    tokens, heads, kv_heads, head_dim = 9, 6, 3, 64
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
-    positions = torch.randint(0, 4096, (tokens,))
-    cache = cos_sin_cache(head_dim, 4096)
-    q_ref, k_ref = rotary_64(q, positions, cache), rotary_64(k, positions, cache)
-    q_torch, k_torch = q.clone(), k.clone()
-    rotary_torch(q_torch, k_torch, positions, cache)
-    rotary(q, k, positions, cache)
-    close(q, q_torch, dtype)
-    close(k, k_torch, dtype)
-    close(q, q_ref, dtype)
-    close(k, k_ref, dtype)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 
 # ---- silu_and_mul ------------------------------------------------------------------------
@@ -245,7 +200,10 @@ def run_attention(batch, config=None):
     if config is None:
         paged_attention(*batch.args(out), scale)
     else:
-        attention_module._paged_attention_triton(*batch.args(out), scale, config)
+        b = batch
+        PagedAttention(
+            b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale, config
+        )(b.q, b.k_cache, b.v_cache, out)
     return out, scale
 
 
@@ -304,51 +262,146 @@ def test_config_depends_on_shapes_and_splits_long_decodes(monkeypatch):
     assert prefill.splits == 1 and prefill.block_m >= 64
 
 
-# ---- qk_norm_rope ------------------------------------------------------------------------
+def test_one_launch_object_serves_every_layer_of_a_step():
+    """As in a step: one PagedAttention (config, grids, split scratch) built from the first
+    layer, launched for a second layer with its own q and KV at the same slots; the KV split
+    into 8 parts, several empty at these lengths, reduced by the combine kernel."""
+    q_lens, seq_lens = [1, 1, 1, 1, 0], [5, 16, 17, 100, 0]
+    first = make_batch(q_lens, seq_lens, 4, 2, 32, torch.float32, pad_tokens=1)
+    second = copy.copy(first)
+    second.q = torch.randn_like(first.q)
+    second.k_cache, second.v_cache = (
+        torch.where(c.isnan(), c, torch.randn_like(c)) for c in (first.k_cache, first.v_cache)
+    )
+    config = Config(1, 16, 16, 8, num_warps=4, num_stages=1)
+    attention = PagedAttention(
+        first.q, first.q, first.k_cache, first.query_start_loc, first.seq_lens,
+        first.block_table, 32**-0.5, config,
+    )  # fmt: skip
+    for layer in (first, second):
+        out = torch.full_like(layer.q, NAN)
+        attention(layer.q, layer.k_cache, layer.v_cache, out)
+        check_attention(layer, out, 32**-0.5, torch.float32)
 
 
-def qk_norm_rope_case(tokens, heads, kv_heads, head_dim, dtype):
-    """q and k as views of a fused qkv projection, as the model splits them, with v all NaN so
-    a stray read or write of it shows; weights, positions."""
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3 + 1).to(dtype)
-    qkv[:, (heads + kv_heads) * head_dim :] = NAN
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    q_weight, k_weight = ((torch.rand(head_dim) + 0.5).to(dtype) for _ in "qk")
-    positions = torch.randint(0, 4096, (tokens,))
-    return qkv, q, k, q_weight, k_weight, positions, cos_sin_cache(head_dim, 4096)
+def test_launch_keys_separate_what_triton_specialises_on():
+    """A cached compiled kernel is reused only for arguments Triton would compile alike."""
+    from ostinato.kernels.launch import _specialisation
+
+    spec = _specialisation
+    assert spec(1) != spec(2) != spec(16)
+    assert spec(16) == spec(32) and spec(3) == spec(5)
+    assert spec(2**31) != spec(2**31 - 16)
+    assert spec(0.5) == spec(0.25) and spec(True) != spec(1)
+    x = torch.zeros(64, dtype=torch.float32)
+    assert spec(x) == spec(x[4:]) != spec(x[1:])  # 16 bytes in: aligned; 4 bytes: not
+    assert spec(x) != spec(x.view(torch.int32))
+
+
+# ---- rope + KV store ---------------------------------------------------------------------
+
+
+class RopeCase:
+    """q, k, v as views of a fused qkv projection, as the model splits them; NaN caches; slots
+    with -1 (padding) among them; Qwen3-style norm weights."""
+
+    def __init__(self, tokens, heads, kv_heads, head_dim, dtype, blocks=6, page=16):
+        width = (heads + 2 * kv_heads) * head_dim
+        self.qkv = (torch.randn(tokens, width) * 3 + 1).to(dtype)
+        q, k, v = self.qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
+        self.q = q.view(tokens, heads, head_dim)
+        self.k = k.view(tokens, kv_heads, head_dim)
+        self.v = v.view(tokens, kv_heads, head_dim)
+        self.weights = [(torch.rand(head_dim) + 0.5).to(dtype) for _ in "qk"]
+        self.positions = torch.randint(0, 4096, (tokens,))
+        self.cache = cos_sin_cache(head_dim, 4096)
+        shape = (blocks, page, kv_heads, head_dim)
+        self.caches = [torch.full(shape, NAN, dtype=dtype) for _ in "kv"]
+        self.slots = torch.randperm(blocks * page)[:tokens]
+        self.slots[:: max(1, tokens // 3)] = -1
+
+    def clone(self):
+        twin = copy.copy(self)
+        twin.qkv = self.qkv.clone()
+        twin.q, twin.k, twin.v = (t.clone() for t in (self.q, self.k, self.v))
+        twin.caches = [c.clone() for c in self.caches]
+        return twin
+
+    def run(self, fn, norm, eps=1e-6):
+        weights = self.weights if norm else [None, None]
+        fn(self.q, self.k, self.v, self.positions, self.cache, *self.caches, self.slots,
+           *weights, eps)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 8])
-def test_qk_norm_rope_in_place_on_strided_q_and_k(group, head_dim, dtype):
-    """Qwen3's q_norm, k_norm and rotary in one kernel."""
-    tokens, kv_heads, eps = 5, 2, 1e-6
-    heads = kv_heads * group
-    qkv, q, k, q_weight, k_weight, positions, cache = qk_norm_rope_case(
-        tokens, heads, kv_heads, head_dim, dtype
-    )
-    q_ref = rotary_64(rms_norm_64(q, q_weight, eps), positions, cache)
-    k_ref = rotary_64(rms_norm_64(k, k_weight, eps), positions, cache)
-    q_torch, k_torch = q.clone(), k.clone()
-    qk_norm_rope_torch(q_torch, k_torch, q_weight, k_weight, eps, positions, cache)
-    qk_norm_rope(q, k, q_weight, k_weight, eps, positions, cache)
-    close(q, q_torch, dtype)
-    close(k, k_torch, dtype)
-    close(q, q_ref, dtype)
-    close(k, k_ref, dtype)
-    assert qkv[:, (heads + kv_heads) * head_dim :].isnan().all()  # v untouched
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (2, 128), (8, 64), (3, 32)])
+def test_rope_and_store(group, head_dim, norm, dtype):
+    """q and k rotated in place (after per-head RMSNorm with `norm`), k and v stored at their
+    slots and nowhere else, v itself untouched: against the unfused torch sequence and a
+    float64 reference."""
+    case = RopeCase(9, 2 * group, 2, head_dim, dtype)
+    twin = case.clone()
+    v_before = case.v.clone()
+    q_in, k_in = case.q.clone(), case.k.clone()
+    if norm:
+        q_in = rms_norm_64(q_in, case.weights[0], 1e-6).to(dtype)
+        k_in = rms_norm_64(k_in, case.weights[1], 1e-6).to(dtype)
+    case.run(rope_and_store, norm)
+    twin.run(rope_and_store_torch, norm)
+    close(case.q, twin.q, dtype)
+    close(case.k, twin.k, dtype)
+    close(case.q, rotary_64(q_in, case.positions, case.cache), dtype)
+    close(case.k, rotary_64(k_in, case.positions, case.cache), dtype)
+    assert torch.equal(case.v, v_before)
+    for ours, theirs in zip(case.caches, twin.caches, strict=True):
+        written = ~ours.isnan()
+        assert torch.equal(written, ~theirs.isnan())
+        close(ours[written], theirs[written], dtype)
+    stored = case.slots[case.slots >= 0]
+    assert torch.equal(case.caches[1].flatten(0, 1)[stored], v_before[case.slots >= 0])
+    k_rows = case.caches[0].flatten(0, 1)
+    assert (~k_rows.isnan()).flatten(1).all(1).sum() == len(stored)
 
 
-def test_qk_norm_rope_rounds_like_the_unfused_layers():
+def test_rope_and_store_rounds_like_the_unfused_layers():
     """The normalised values round to the dtype before rotating, as the unfused norm stored
     them: skipping that rounding changes ~30% of the elements, keeping it leaves only the rare
     ones where fp32 sums round differently. float16, because the interpreter truncates
     float32 -> bfloat16 where the GPU rounds to nearest."""
-    _, q, k, q_weight, k_weight, positions, cache = qk_norm_rope_case(16, 16, 8, 128, torch.float16)
-    q_torch, k_torch = q.clone(), k.clone()
-    qk_norm_rope_torch(q_torch, k_torch, q_weight, k_weight, 1e-6, positions, cache)
-    qk_norm_rope(q, k, q_weight, k_weight, 1e-6, positions, cache)
-    assert (q != q_torch).float().mean() < 0.01
-    assert (k != k_torch).float().mean() < 0.01
+    case = RopeCase(16, 16, 8, 128, torch.float16)
+    twin = case.clone()
+    case.run(rope_and_store, norm=True)
+    twin.run(rope_and_store_torch, norm=True)
+    assert (case.q != twin.q).float().mean() < 0.01
+    assert (case.k != twin.k).float().mean() < 0.01
+
+
+# ---- small-batch projection --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(rows, silu, bias, dtype):
+    """x @ W.T (+ bias), and with silu the merged gate|up projection's silu(gate) * up, over
+    a K that is no multiple of the 512-wide chunk and an N no multiple of the columns per
+    program; the output starts as NaN."""
+    k, n = 1100, 2 * 37
+    x = torch.randn(rows, k).to(dtype)
+    weight = (torch.randn(n, k) * 0.05).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype) if bias else None
+    out = gemv(x, weight, b, silu_and_mul=silu)
+    assert out.shape == (rows, n // 2 if silu else n)
+    close(out, gemv_torch(x, weight, b, silu), dtype, scale=5)
+    y = x.double() @ weight.double().T + (b.double() if bias else 0)
+    if silu:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    close(out, y, dtype, scale=5)
+
+
+def test_gemv_is_for_captured_small_batches_only():
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    assert not gemv_pays(x, w)  # CPU, and no capture under way

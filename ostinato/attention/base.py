@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -20,23 +20,29 @@ class GraphSupport(enum.Enum):
     NEVER = "never"  # must run outside graphs (PIECEWISE breaks around it)
 
 
+class AttentionPlan(Protocol):
+    """One step's attention, called by every layer with its own tensors."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        out: torch.Tensor,  # like q, written in place
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Attend causally over the paged KV (this step's k/v are already stored in it)."""
+
+
 class AttentionBackend(ABC):
     name: ClassVar[str]
     graph_support: ClassVar[GraphSupport]
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,
-        out: torch.Tensor,  # like q, written in place
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> None:
-        """Store this step's k/v into the cache, then attend causally over the paged KV."""
+    def plan(self, meta: AttentionMetadata) -> AttentionPlan:
+        """The step's attention, built once when the step's forward context is made: what
+        depends only on the batch (launch configuration, scratch) is worked out here or at the
+        first layer's call, not again at every layer."""
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}

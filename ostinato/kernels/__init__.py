@@ -4,18 +4,15 @@ Each public function has one signature for both paths and picks by the tensors' 
 """
 
 from ostinato.kernels.activation import silu_and_mul
-from ostinato.kernels.kv_store import store_kv
 from ostinato.kernels.norm import fused_add_rms_norm, rms_norm
-from ostinato.kernels.paged_attention import paged_attention
-from ostinato.kernels.qk_norm_rope import qk_norm_rope
-from ostinato.kernels.rope import rotary
+from ostinato.kernels.paged_attention import PagedAttention, paged_attention
+from ostinato.kernels.rope_store import rope_and_store
 
 __all__ = [
+    "PagedAttention",
     "fused_add_rms_norm",
     "paged_attention",
-    "qk_norm_rope",
     "rms_norm",
-    "rotary",
+    "rope_and_store",
     "silu_and_mul",
-    "store_kv",
 ]

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, use_triton
+from ostinato.kernels.dispatch import jit, pdl_options, use_triton
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -20,7 +20,12 @@ def silu_and_mul_torch(x):
 
 
 @jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -39,6 +44,6 @@ def _silu_and_mul_triton(x):
     assert x2.stride(1) == 1
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2, out, d, x2.stride(0), d, BLOCK=block
+        x2, out, d, x2.stride(0), d, BLOCK=block, **pdl_options()
     )
     return out

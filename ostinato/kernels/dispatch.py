@@ -22,6 +22,22 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+PDL = True  # Hopper's programmatic dependent launch for our kernels (an A/B switch for benches)
+
+
+def pdl_options() -> dict:
+    """A kernel's PDL constexpr and launch option. With PDL the GPU may start a kernel while
+    the one before it drains; every kernel waits for its predecessor (gdc_wait) before it
+    touches memory. The interpreter has no such launch."""
+    on = PDL and not interpreting() and _has_pdl()
+    return {"PDL": on, "launch_pdl": on}
+
+
+@functools.cache
+def _has_pdl() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, use_triton
+from ostinato.kernels.dispatch import jit, pdl_options, use_triton
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,11 +37,14 @@ def fused_add_rms_norm_torch(x, residual, weight, eps) -> None:
 def _rms_norm_kernel(
     x_ptr, residual_ptr, out_ptr, weight_ptr, eps, n, inner,
     stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row per program; a row is x[row // inner, row % inner, :] so that per-head norms
     work on strided views of a fused qkv projection. With ADD_RESIDUAL, residual += x first
     and the norm reads the sum as stored, so it sees exactly what the next layer adds to."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     outer, head = row // inner, row % inner
     cols = tl.arange(0, BLOCK)
@@ -72,6 +75,7 @@ def _launch(x3, residual, out3, weight, eps) -> None:
         x3, res, out3, weight, eps, n, inner,
         x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
         ADD_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        **pdl_options(),
     )  # fmt: skip
 
 

@@ -1,5 +1,7 @@
 """Causal attention over a paged KV cache for any mix of prefill chunks and decodes."""
 
+from __future__ import annotations
+
 import functools
 from typing import NamedTuple
 
@@ -8,7 +10,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, use_triton
+from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.launch import Launch
 
 
 def paged_attention(
@@ -21,10 +24,11 @@ def paged_attention(
     block_table: torch.Tensor,  # int32 [num_reqs, max_blocks]
     scale: float,
 ) -> None:
+    """One call. Layers of a step share a PagedAttention instead (built once, launched per
+    layer)."""
     if use_triton(q):
-        return _paged_attention_triton(
-            q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale
-        )
+        attention = PagedAttention(q, out, k_cache, query_start_loc, seq_lens, block_table, scale)
+        return attention(q, k_cache, v_cache, out)
     return paged_attention_torch(
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale
     )
@@ -94,13 +98,14 @@ def _attend_tile(
 
 @jit(do_not_specialize=["num_reqs"])  # no compiled variant per batch size
 def _attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_ptr, m_ptr, l_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, REQ_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (tile, kv_head, split). A tile is BLOCK_Q query tokens of one request times the GROUP
     query heads that share kv_head, packed into BLOCK_M rows, so each K/V tile loaded serves
@@ -108,7 +113,11 @@ def _attention_kernel(
     cdiv(q_i, BLOCK_Q) tiles from first_tile(i) = query_start_loc[i] // BLOCK_Q + i on (just
     query_start_loc[i] when BLOCK_Q is 1), so the grid is bounded by shapes and spare tiles
     exit. With SPLIT, split s covers one of num_splits equal parts of the tile's KV range and
-    writes an unnormalised partial that _combine_kernel reduces."""
+    writes an unnormalised partial that _combine_kernel reduces (parts past a short context
+    are empty and cost one store)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -130,18 +139,7 @@ def _attention_kernel(
     q_tile = tl.cdiv(q_len, BLOCK_Q) - 1 - local
     if q_tile < 0:
         return
-
-    rows = tl.arange(0, BLOCK_M)
-    q_idx = q_tile * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     ctx_len = seq_len - q_len
-    pos = ctx_len + q_idx
-    token = (q_start + q_idx).to(tl.int64)
-    d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-
     first_pos = ctx_len + q_tile * BLOCK_Q
     kv_hi = tl.minimum(seq_len, first_pos + BLOCK_Q)
     kv_lo = 0
@@ -149,6 +147,16 @@ def _attention_kernel(
         part_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
         kv_lo = split * part_len
         kv_hi = tl.minimum(kv_hi, kv_lo + part_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    pos = ctx_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     unmasked_hi = (
         kv_lo + tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
     )
@@ -183,10 +191,15 @@ def _attention_kernel(
 
 @jit(do_not_specialize=["num_reqs"])
 def _combine_kernel(
-    part_ptr, m_ptr, l_ptr, out_ptr, query_start_loc_ptr, num_reqs, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    out_ptr, part_ptr, m_ptr, l_ptr, query_start_loc_ptr, num_reqs, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (token, head): merges the SPLITS partials of one row by their softmax weights."""
+    """Grid (token, head): merges the SPLITS partials of one row by their softmax weights.
+    Measured on the H100, this second launch beats merging in the attention kernel's last
+    part to finish, at every batch and context tried."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):
@@ -262,40 +275,106 @@ def _num_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
     return num_tokens if block_q == 1 else num_tokens // block_q + num_reqs
 
 
-def _paged_attention_triton(
-    q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, scale, config=None
-) -> None:
-    num_tokens, num_heads, head_dim = q.shape
-    num_reqs = seq_lens.shape[0]
-    if num_tokens == 0 or num_reqs == 0:
-        return
-    cfg = config or choose_config(q, k_cache, block_table, num_reqs)
-    kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // kv_heads
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert q.stride(2) == out.stride(2) == block_table.stride(1) == 1
-    assert head_dim & (head_dim - 1) == 0 and num_heads == group * kv_heads
-    assert cfg.block_m >= cfg.block_q * group and cfg.splits & (cfg.splits - 1) == 0
-    # partial outputs and their softmax max / sum, only when the KV is split
-    part_shape = (num_tokens, num_heads, cfg.splits) if cfg.splits > 1 else (1,)
-    part = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
-    stats = torch.empty((2, *part_shape), dtype=torch.float32, device=q.device)
-    grid = (_num_tiles(num_tokens, num_reqs, cfg.block_q), kv_heads, cfg.splits)
-    _attention_kernel[grid](
-        q, k_cache, v_cache, out, part, stats[0], stats[1],
-        query_start_loc, seq_lens, block_table,
-        scale * _LOG2E, num_reqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
-        GROUP=group, BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        HEAD_DIM=head_dim, PAGE=page, SPLIT=cfg.splits > 1, REQ_CHUNK=128,
-        PRECISION=_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-    if cfg.splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
-            part, stats[0], stats[1], out, query_start_loc, num_reqs, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS=cfg.splits,
-        )  # fmt: skip
+class PagedAttention:
+    """Paged attention over one batch: launch configuration, grids, split-KV scratch and the
+    compiled kernels, fixed once from the first layer's q and out and launched for every layer
+    with that layer's tensors (same shapes, strides and cache geometry).
+
+    Sizes come from shapes (num_reqs is the padded request count) and lengths are read on the
+    device, so an instance built inside a CUDA graph capture is right for every replay."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k_cache: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+        config: Config | None = None,
+    ) -> None:
+        num_tokens, num_heads, head_dim = q.shape
+        num_reqs = seq_lens.shape[0]
+        self.attend = self.combine = None
+        if num_tokens == 0 or num_reqs == 0:
+            return
+        cfg = config or choose_config(q, k_cache, block_table, num_reqs)
+        kv_heads, page = k_cache.shape[2], k_cache.shape[1]
+        group = num_heads // kv_heads
+        assert k_cache.stride(3) == 1 and q.stride(2) == out.stride(2) == block_table.stride(1) == 1
+        assert head_dim & (head_dim - 1) == 0 and num_heads == group * kv_heads
+        assert cfg.block_m >= cfg.block_q * group and cfg.splits & (cfg.splits - 1) == 0
+        split = cfg.splits > 1
+        # partial outputs and their softmax max / sum, only when the KV is split
+        part_shape = (num_tokens, num_heads, cfg.splits) if split else (1,)
+        part = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
+        stats = torch.empty((2, *part_shape), dtype=torch.float32, device=q.device)
+        pdl = pdl_options()
+        self.attend = Launch(
+            _attention_kernel,
+            (_num_tiles(num_tokens, num_reqs, cfg.block_q), kv_heads, cfg.splits),
+            num_head=4,  # q, k_cache, v_cache, out: each layer's own
+            tail=(
+                part,
+                stats[0],
+                stats[1],
+                query_start_loc,
+                seq_lens,
+                block_table,
+                scale * _LOG2E,
+                num_reqs,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                k_cache.stride(0),
+                k_cache.stride(1),
+                k_cache.stride(2),
+                block_table.stride(0),
+            ),  # fmt: skip
+            constexprs=dict(
+                GROUP=group,
+                BLOCK_Q=cfg.block_q,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                HEAD_DIM=head_dim,
+                PAGE=page,
+                SPLIT=split,
+                REQ_CHUNK=128,
+                PRECISION=_precision(q.dtype),
+                PDL=pdl["PDL"],
+            ),  # fmt: skip
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            launch_pdl=pdl["launch_pdl"],
+        )
+        if split:
+            self.combine = Launch(
+                _combine_kernel,
+                (num_tokens, num_heads, 1),
+                num_head=1,  # out
+                tail=(
+                    part,
+                    stats[0],
+                    stats[1],
+                    query_start_loc,
+                    num_reqs,
+                    out.stride(0),
+                    out.stride(1),
+                ),  # fmt: skip
+                constexprs=dict(HEAD_DIM=head_dim, SPLITS=cfg.splits, PDL=pdl["PDL"]),
+                launch_pdl=pdl["launch_pdl"],
+            )
+
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        if self.attend is None:
+            return
+        self.attend(q, k_cache, v_cache, out)
+        if self.combine is not None:
+            self.combine(out)
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -1,5 +1,5 @@
 """The attention layer models call. It knows nothing of graphs: the runtime may turn the
-call into a break between captured segments (see graphs/breakable.py)."""
+attention call into a break between captured segments (see graphs/breakable.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from torch import nn
 
 from ostinato.context import get_forward_context
 from ostinato.graphs.breakable import run_outside_graph
+from ostinato.layers.norm import RMSNorm
+from ostinato.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -17,12 +19,27 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KH, D] -> [T, H, D]."""
-        out = torch.empty_like(q)  # allocated before the break so its address is stable
-        return run_outside_graph(self._attend, q, k, v, out=out)
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rotary: RotaryEmbedding,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KH, D] -> [T, H, D]. RoPE (after the per-head norms, if given)
+        and the KV store run in one kernel inside the captured part; only the attention over
+        the cache may run outside it."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ctx.backend.forward(q, k, v, out, k_cache, v_cache, ctx.attn_metadata, self.scale)
+        slots = ctx.attn_metadata.slot_mapping
+        rotary.apply_and_store(positions, q, k, v, k_cache, v_cache, slots, q_norm, k_norm)
+        out = torch.empty_like(q)  # allocated before the break so its address is stable
+        return run_outside_graph(self._attend, q, out=out)
+
+    def _attend(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        ctx = get_forward_context()
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ctx.attention(q, out, k_cache, v_cache, self.scale)

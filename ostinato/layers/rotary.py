@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from ostinato.kernels import qk_norm_rope, rotary
+from ostinato.kernels import rope_and_store
 from ostinato.layers.norm import RMSNorm
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -62,22 +62,25 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates q [T, H, D] and k [T, KH, D] in place by their positions [T]."""
-        rotary(q, k, positions, self.cos_sin_cache)
-        return q, k
-
-    def forward_with_qk_norm(
+    def apply_and_store(
         self,
         positions: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
-        q_norm: RMSNorm,
-        k_norm: RMSNorm,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q = rotary(q_norm(q)), k = rotary(k_norm(k)) per head, in place, in one kernel."""
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> None:
+        """Rotates q [T, H, D] and k [T, KH, D] in place by their positions [T] (Qwen3:
+        q_norm / k_norm per head first), then stores k and v at slot_mapping, in one kernel."""
+        if q_norm is None:
+            rope_and_store(q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping)
+            return
         assert q_norm.eps == k_norm.eps, "the fused kernel takes one eps for q and k"
-        qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
-        return q, k
+        rope_and_store(
+            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping,
+            q_norm.weight, k_norm.weight, q_norm.eps,
+        )  # fmt: skip

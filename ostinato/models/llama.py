@@ -67,11 +67,8 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.heads, self.dim)
         k = k.view(-1, self.kv_heads, self.dim)
         v = v.view(-1, self.kv_heads, self.dim)
-        if self.q_norm is None:
-            self.rotary(positions, q, k)
-        else:
-            self.rotary.forward_with_qk_norm(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        out = self.attn(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
@@ -82,7 +79,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
 
 
 class LlamaDecoderLayer(nn.Module):

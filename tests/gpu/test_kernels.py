@@ -1,22 +1,21 @@
 """The Triton kernels on the GPU over realistic shapes in bfloat16, against float64 (or float32)
-references, and paged attention with store_kv captured in a CUDA graph and replayed with other
-lengths and block tables."""
+references, and paged attention with the KV store captured in a CUDA graph and replayed with
+other lengths and block tables."""
 
 import pytest
 import torch
 
 from ostinato.kernels import (
+    PagedAttention,
     fused_add_rms_norm,
     paged_attention,
-    qk_norm_rope,
     rms_norm,
-    rotary,
+    rope_and_store,
     silu_and_mul,
-    store_kv,
 )
-from ostinato.kernels.kv_store import store_kv_torch
+from ostinato.kernels.gemv import gemv, gemv_pays
 from ostinato.kernels.paged_attention import paged_attention_torch
-from ostinato.kernels.qk_norm_rope import qk_norm_rope_torch
+from ostinato.kernels.rope_store import rope_and_store_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -36,22 +35,6 @@ def assert_rel(actual, expected, tol=1e-2):
     assert err < tol, f"relative error {err:.2e}"
 
 
-def test_store_kv_bf16():
-    tokens, kv_heads, head_dim, blocks = 4096, 8, 128, 1024
-    kv = torch.randn(tokens, 2 * kv_heads, head_dim, device="cuda", dtype=BF16)
-    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
-    slots = torch.randperm(blocks * BLOCK, device="cuda")[:tokens]
-    slots[::7] = -1
-    caches = [
-        torch.full((blocks, BLOCK, kv_heads, head_dim), NAN, device="cuda", dtype=BF16)
-        for _ in "kvKV"
-    ]
-    store_kv(k, v, caches[0], caches[1], slots)
-    store_kv_torch(k, v, caches[2], caches[3], slots)
-    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
-
-
 @pytest.mark.parametrize("tokens", [1, 4096])
 def test_norms_bf16(tokens):
     x = torch.randn(tokens, 4096, device="cuda", dtype=BF16)
@@ -66,50 +49,74 @@ def test_norms_bf16(tokens):
     assert_rel(x, expected)
 
 
-def test_rotary_bf16():
-    tokens, heads, kv_heads, head_dim = 4096, 32, 8, 128
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=BF16)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
-    freqs = torch.outer(torch.arange(131072, device="cuda", dtype=torch.float), inv_freq)
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-    positions = torch.randint(0, 131072, (tokens,), device="cuda")
-    cos, sin = cache[positions].double().unsqueeze(1).chunk(2, dim=-1)
-    expected = []
-    for t in (q, k):
-        x1, x2 = t.double().chunk(2, dim=-1)
-        expected.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-    rotary(q, k, positions, cache)
-    assert_rel(q, expected[0])
-    assert_rel(k, expected[1])
-
-
-@pytest.mark.parametrize("heads, kv_heads", [(16, 8), (64, 8)])  # qwen3-0.6b, qwen3-32b
-def test_qk_norm_rope_bf16(heads, kv_heads):
-    """Against the unfused torch sequence: on the GPU bf16 rounds to nearest (the interpreter
-    truncates), so nearly every element must be equal, not merely close."""
-    tokens, head_dim, max_position = 4096, 128, 40960
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=BF16) * 3
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    q_weight, k_weight = (torch.rand(head_dim, device="cuda", dtype=BF16) + 0.5 for _ in "qk")
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
+def rope_cache(head_dim, max_position, theta):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
     freqs = torch.outer(torch.arange(max_position, device="cuda", dtype=torch.float), inv_freq)
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, norm",
+    [(32, 8, False), (16, 8, True), (64, 8, True)],  # llama-3.1-8b, qwen3-0.6b, qwen3-32b
+)
+def test_rope_and_store_bf16(heads, kv_heads, norm):
+    """Against the unfused torch sequence (norm, rotary, store): on the GPU bf16 rounds to
+    nearest, so nearly every element must be equal, not merely close; slot -1 stores nothing."""
+    tokens, head_dim, max_position, blocks = 4096, 128, 40960, 512
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=BF16) * 3
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    weights = [torch.rand(head_dim, device="cuda", dtype=BF16) + 0.5 for _ in "qk"]
+    weights = weights if norm else [None, None]
+    cache = rope_cache(head_dim, max_position, 1e6)
     positions = torch.randint(0, max_position, (tokens,), device="cuda")
-    q_torch, k_torch = q.clone(), k.clone()
-    qk_norm_rope_torch(q_torch, k_torch, q_weight, k_weight, 1e-6, positions, cache)
-    qk_norm_rope(q, k, q_weight, k_weight, 1e-6, positions, cache)
-    for ours, theirs in ((q, q_torch), (k, k_torch)):
-        assert_rel(ours, theirs, tol=1e-3)
-        assert (ours != theirs).float().mean() < 0.01
+    slots = torch.randperm(blocks * BLOCK, device="cuda")[:tokens]
+    slots[::7] = -1
+    shape = (blocks, BLOCK, kv_heads, head_dim)
+    caches = [torch.full(shape, NAN, device="cuda", dtype=BF16) for _ in "kvKV"]
+    twin = [t.clone() for t in (q, k, v)]
+    rope_and_store_torch(*twin, positions, cache, caches[2], caches[3], slots, *weights, 1e-6)
+    rope_and_store(q, k, v, positions, cache, caches[0], caches[1], slots, *weights, 1e-6)
+    for ours, theirs in ((q, twin[0]), (k, twin[1]), (caches[0], caches[2])):
+        written = ~theirs.isnan()
+        assert torch.equal(~ours.isnan(), written)
+        assert_rel(ours[written], theirs[written], tol=1e-3)
+        assert (ours[written] != theirs[written]).float().mean() < 0.01
+    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0, equal_nan=True)
 
 
 def test_silu_and_mul_bf16():
     x = torch.randn(2048, 2 * 14336, device="cuda", dtype=BF16)
     gate, up = x.double().chunk(2, dim=-1)
     assert_rel(silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize(
+    "n, k, silu",
+    [
+        *[(4096, 1024, False), (1024, 2048, False), (6144, 1024, True), (1024, 3072, False)],
+        *[(6144, 4096, False), (4096, 4096, False)],
+    ],
+)  # qwen3-0.6b's qkv, o, gate|up (+ SiLU), down; llama-3.1-8b's qkv, o
+def test_gemv_bf16_in_a_graph(rows, n, k, silu):
+    """Against float64 at several row counts, and inside a CUDA graph (where Linear takes it,
+    for one row) replays of the captured kernel with new inputs equal fresh launches."""
+    x = torch.randn(rows, k, device="cuda", dtype=BF16)
+    weight = torch.randn(n, k, device="cuda", dtype=BF16) * 0.03
+    expected = x.double() @ weight.double().T
+    if silu:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = torch.nn.functional.silu(gate) * up
+    assert_rel(gemv(x, weight, silu_and_mul=silu), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert gemv_pays(x, weight) == (rows == 1)
+        out = gemv(x, weight, silu_and_mul=silu)
+    x.normal_()
+    graph.replay()
+    torch.testing.assert_close(out, gemv(x, weight, silu_and_mul=silu), rtol=0, atol=0)
+    assert not gemv_pays(x, weight)  # launched eagerly, cuBLAS is cheaper to call
 
 
 # ---- paged attention ---------------------------------------------------------------------
@@ -214,6 +221,39 @@ def test_paged_attention_long_prefill():
     check(batch, attend(batch))
 
 
+def test_direct_launches_match_triton_launches():
+    """A PagedAttention launches through Triton once per argument alignment, then calls the
+    compiled kernel's launcher itself: later layers (other q, caches and outputs), including a
+    q that is not 16-byte aligned (a new specialisation), get the same results as fresh calls,
+    the split partials reduced by the combine kernel's own direct launches."""
+    heads, kv_heads, head_dim = SHAPES["llama-3.1-8b"]
+    seq_lens = [700, 33, 2048, 1]
+    first = make_batch([1] * 4, seq_lens, heads, kv_heads, head_dim)
+    layers = [first] + [  # the next layers: their own q and KV at the same slots
+        {
+            **first,
+            "q": torch.randn_like(first["q"]),
+            **{
+                c: torch.where(first[c].isnan(), first[c], torch.randn_like(first[c]))
+                for c in ("k_cache", "v_cache")
+            },
+        }  # fmt: skip
+        for _ in range(2)
+    ]
+    attention = PagedAttention(
+        first["q"], first["q"], first["k_cache"], first["query_start_loc"], first["seq_lens"],
+        first["block_table"], head_dim**-0.5,
+    )  # fmt: skip
+    shifted = torch.empty(first["q"].numel() + 1, device="cuda", dtype=BF16)[1:]
+    layers[2]["q"] = shifted.view_as(first["q"]).copy_(layers[2]["q"])  # misaligned
+    for _ in range(2):
+        for layer in layers:
+            out = torch.full_like(layer["q"], NAN)
+            attention(layer["q"], layer["k_cache"], layer["v_cache"], out)
+            assert torch.equal(out, attend(layer))
+            check(layer, out)
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------
 
 
@@ -229,13 +269,19 @@ class Static:
         self.k_cache = new(blocks, BLOCK, kv_heads, head_dim)
         self.v_cache = new(blocks, BLOCK, kv_heads, head_dim)
         self.slots = new(num_tokens, dtype=torch.int64)
+        # RoPE at position 0 with cos 1, sin 0: the identity, so a step may run twice
+        self.positions = new(num_tokens, dtype=torch.int64)
+        self.rope = torch.cat((torch.ones(1, head_dim // 2), torch.zeros(1, head_dim // 2)), 1)
+        self.rope = self.rope.cuda()
         self.query_start_loc = new(num_reqs + 1, dtype=torch.int32)
         self.seq_lens = new(num_reqs, dtype=torch.int32)
         self.block_table = new(num_reqs, max_blocks, dtype=torch.int32)
 
     def step(self, caches=None):
         k_cache, v_cache = caches or (self.k_cache, self.v_cache)
-        store_kv(self.k, self.v, k_cache, v_cache, self.slots)
+        rope_and_store(
+            self.q, self.k, self.v, self.positions, self.rope, k_cache, v_cache, self.slots
+        )
         out = self.out if caches is None else torch.full_like(self.out, NAN)
         paged_attention(
             self.q, k_cache, v_cache, out, self.query_start_loc, self.seq_lens,

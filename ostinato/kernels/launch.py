@@ -1,0 +1,88 @@
+"""Launching a compiled Triton kernel without Triton's per-call Python work.
+
+`kernel[grid](*args)` binds, specialises and hashes every argument in Python on every call:
+tens of µs on the GPU machine's CPU, several times the kernel itself at decode sizes, paid
+once per layer by every eager attention call. A Launch fixes everything but the leading
+tensor arguments (those that change from layer to layer), and calls the compiled kernel's
+launcher with the argument list Triton itself would pass (every parameter in order,
+constexprs included; the same in Triton 3.6 and 3.9).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ostinato.kernels.dispatch import Kernel, interpreting
+
+_current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+# (kernel, the tail's specialisation, constexprs, options) -> a number
+_fixed_keys: dict[tuple, int] = {}
+# (that number, device, the head's specialisation) -> what launches the compiled kernel
+_compiled: dict[tuple, tuple] = {}
+
+
+class Launch:
+    """kernel[grid](*head, *tail, **constexprs, **options), with head given per call.
+
+    Triton compiles one kernel per specialisation of the arguments (integers equal to 1 or
+    divisible by 16, pointers aligned to 16 bytes, dtypes, widths). The key here holds the same
+    properties, the tail's computed once, so a compiled kernel is only ever launched for
+    arguments Triton would have given it; the first call of each key goes through Triton."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        grid: tuple[int, int, int],
+        num_head: int,
+        tail: tuple,
+        constexprs: dict,
+        **options,
+    ) -> None:
+        names = [p.name for p in kernel.params]
+        if names[num_head + len(tail) :] != list(constexprs):
+            raise ValueError(f"{kernel.fn.__name__}: constexprs must be the last parameters")
+        self.kernel, self.grid = kernel, grid
+        self.tail, self.kwargs = tail, {**constexprs, **options}  # tail holds its tensors alive
+        # what follows head in Triton's argument list; pointers as integers, which the launcher
+        # takes as they are (a tensor costs it a method call and a driver query)
+        self.rest = (*(_address(a) for a in tail), *constexprs.values())
+        self.direct = not interpreting()
+        fixed = (id(kernel), *map(_specialisation, tail), *constexprs.items(), *options.items())
+        self.key = _fixed_keys.setdefault(fixed, len(_fixed_keys))  # a small int hashes fast
+
+    def __call__(self, *head: torch.Tensor) -> None:
+        if not self.direct:
+            self.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            return
+        pointers = [t.data_ptr() for t in head]
+        device = head[0].get_device()
+        key = (
+            self.key,
+            device,
+            *[(t.dtype, p % 16 == 0) for t, p in zip(head, pointers, strict=True)],
+        )
+        compiled = _compiled.get(key)
+        if compiled is None:
+            kernel = self.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            _compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            return
+        launcher, function, metadata = compiled
+        # no launch metadata and no enter/exit hooks: a profiler's hooks see first calls only
+        launcher(
+            *self.grid, _current_stream(device), function, metadata, None, None, None,
+            *pointers, *self.rest,
+        )  # fmt: skip
+
+
+def _address(arg):
+    return arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+
+
+def _specialisation(arg) -> tuple:
+    """What Triton's compiled kernel depends on, for one non-constexpr argument."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return (type(arg),)
+    return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg >= 2**63)
