@@ -91,7 +91,7 @@ def phases(engine: LLMEngine, batch: int, steps: int) -> dict:
         out = forward(runner, step)
         sync()
         t2 = time.perf_counter()
-        sampled = runner.sampler(runner._logits(out, len(step.sampling)), step.sampling)
+        sampled = runner.sampler(runner._logits(out, len(step.logits_indices)), step.sampling)
         t3 = time.perf_counter()
         engine.scheduler.complete(sched)
         seqs = {seq.request_id: seq for seq in sched.seqs}

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.launch import Launch
 
 # Where it beat cuBLAS on the H100 (benchmarks/perf-h100.md): one row, 1.06-1.35x for weights
 # of 4-50 MB with K up to 4096; at 4 rows it lost (0.4-0.8x), and at K = 8192 it lost (0.95x).
@@ -23,9 +24,9 @@ _PROGRAMS = 512  # enough programs to keep every SM's memory pipe busy
 
 
 def gemv_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this projection takes the kernel: one row, a weight of at most MAX_K columns and
-    MAX_WEIGHT_ELEMENTS, inside a CUDA graph capture (launched eagerly, Triton's Python launch
-    path costs more than the kernel saves)."""
+    """Whether this projection takes the kernel: one row and a weight of at most MAX_K columns
+    and MAX_WEIGHT_ELEMENTS. Shapes alone decide, so a graph's eager warm-up launches the
+    kernels its capture will (graphs/capture.py relies on that)."""
     return (
         x.is_cuda
         and x.dim() == 2
@@ -33,7 +34,6 @@ def gemv_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.shape[1] <= MAX_K
         and weight.numel() <= MAX_WEIGHT_ELEMENTS
         and x.dtype == weight.dtype
-        and torch.cuda.is_current_stream_capturing()
     )
 
 
@@ -99,6 +99,9 @@ def _gemv_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & col_ok[None, :])
 
 
+_launches: dict[tuple, Launch] = {}  # per shape: eager calls skip Triton's Python launch path
+
+
 def _gemv_triton(x, weight, bias, silu_and_mul):
     m, k = x.shape
     n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
@@ -106,14 +109,37 @@ def _gemv_triton(x, weight, bias, silu_and_mul):
     if m == 0:
         return y
     assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
+    key = (x.device, x.dtype, m, k, n_out, x.stride(0), weight.stride(0), bias is not None,
+           silu_and_mul, interpreting())  # fmt: skip
+    launch = _launches.get(key)
+    if launch is None:
+        launch = _launches[key] = _launch(
+            m, k, n_out, x.stride(0), weight.stride(0), bias, silu_and_mul
+        )
+    launch(x, weight, weight if bias is None else bias, y)
+    return y
+
+
+def _launch(m, k, n_out, stride_x, stride_w, bias, silu_and_mul) -> Launch:
     block_k = min(512, triton.next_power_of_2(k))
     # few columns per program, so the grid has enough programs; at most 16 rows per program
     block_n = max(1, min(16, triton.next_power_of_2(n_out) // _PROGRAMS))
-    _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n_out, k,
-        x.stride(0), weight.stride(0), y.stride(0),
-        M=m, M_P2=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        CHUNKS=triton.cdiv(k, block_k), HAS_BIAS=bias is not None, SILU=silu_and_mul,
-        num_warps=4, **pdl_options(),
-    )  # fmt: skip
-    return y
+    pdl = pdl_options()
+    return Launch(
+        _gemv_kernel,
+        (triton.cdiv(n_out, block_n), 1, 1),
+        num_head=4,  # x, weight, bias, y
+        tail=(n_out, k, stride_x, stride_w, n_out),
+        constexprs=dict(
+            M=m,
+            M_P2=triton.next_power_of_2(m),
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            CHUNKS=triton.cdiv(k, block_k),
+            HAS_BIAS=bias is not None,
+            SILU=silu_and_mul,
+            PDL=pdl["PDL"],
+        ),  # fmt: skip
+        num_warps=4,
+        launch_pdl=pdl["launch_pdl"],
+    )

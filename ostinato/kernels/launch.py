@@ -5,7 +5,9 @@ tens of µs on the GPU machine's CPU, several times the kernel itself at decode 
 once per layer by every eager attention call. A Launch fixes everything but the leading
 tensor arguments (those that change from layer to layer), and calls the compiled kernel's
 launcher with the argument list Triton itself would pass (every parameter in order,
-constexprs included; the same in Triton 3.6 and 3.9).
+constexprs included; the same in Triton 3.6 and 3.9). The first launch of each compiled
+variant goes through Triton, and through kernels/variants.py's capture guard with it; later
+ones cannot compile.
 """
 
 from __future__ import annotations
