@@ -136,7 +136,8 @@ def test_graph_runner_captures_and_replays_both_modes():
         runtime, desc = graphs.dispatch(num_tokens, num_reqs, q)
         assert runtime.value == mode and desc.num_tokens == {3: 4, 10: 16}[num_tokens]
         new_inputs(model, x, desc.num_tokens, gen)
-        assert torch.equal(graphs.replay(runtime, desc), model(x[: desc.num_tokens]))
+        replayed = graphs.run(runtime, desc, num_tokens, lambda: pytest.fail("not captured"))
+        assert torch.equal(replayed, model(x[: desc.num_tokens]))
     assert graphs.report()["steps"] == {"none": 0, "piecewise": 1, "full": 1}
     assert graphs.report()["padded_tokens"] == 1 + 6
 
@@ -148,10 +149,10 @@ def test_debug_graph_addresses_catches_a_moved_buffer():
     graphs = runner("full_decode_only", debug_graph_addresses=True)
     graphs.capture(lambda desc: model(buffers["x"][: desc.num_tokens]), buffers=lambda: buffers)
     mode, desc = graphs.dispatch(4, 4, 1)
-    graphs.replay(mode, desc)
+    graphs.run(mode, desc, 4, lambda: pytest.fail("not captured"))
     buffers["x"] = torch.zeros_like(buffers["x"])  # a runner that reallocated instead of copying
     with pytest.raises(RuntimeError, match="'x' moved since capture"):
-        graphs.replay(mode, desc)
+        graphs.run(mode, desc, 4, lambda: pytest.fail("not captured"))
 
 
 @torch.inference_mode()
