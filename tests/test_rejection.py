@@ -30,11 +30,11 @@ def chi2_tail(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def verify(probs: torch.Tensor, draft: int, n: int, seed: int, residual_bug: bool = False):
     g = torch.Generator().manual_seed(seed)
     noise = torch.empty(n, V).exponential_(generator=g)
-    uniforms = torch.rand(n, generator=g)
     drafts = torch.full((n,), draft)
-    tokens, accepted = rejection_sample(probs.expand(n, V), drafts, noise, uniforms)
-    if residual_bug:  # resample from p itself after a rejection: the classic mistake
-        tokens = (probs / noise).argmax(dim=-1)
+    tokens, accepted = rejection_sample(probs.expand(n, V), drafts, noise)
+    if residual_bug:  # an independent coin, then a fresh draw from p itself: the classic mistake
+        accepted = (drafts >= 0) & (torch.rand(n, generator=g) < probs[drafts.clamp(min=0)])
+        tokens = (probs / torch.empty(n, V).exponential_(generator=g)).argmax(dim=-1)
     first = torch.where(accepted, drafts, tokens)
     return torch.bincount(first, minlength=V), int(accepted.sum())
 
@@ -91,7 +91,7 @@ def test_a_chain_of_drafts_keeps_every_conditional_distribution():
     targets = [processed_target(row, 0.8, 5) for row in logits]
     d1, d2 = 1, 0
     n = 60_000
-    rows = [SamplingRow(f"r{i}", params, (d1, d2)) for i in range(n)]
+    rows = [SamplingRow(f"r{i}", params, 0, (d1, d2)) for i in range(n)]
     out = Sampler()(logits.repeat(n, 1), rows).token_ids
     assert all(1 <= len(t) <= 3 for t in out)
     assert all(t[:-1] == [d1, d2][: len(t) - 1] for t in out)  # drafts, then one sample
@@ -105,10 +105,27 @@ def test_a_chain_of_drafts_keeps_every_conditional_distribution():
 
 def test_seeded_requests_verify_reproducibly():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
-    rows = [SamplingRow(f"r{i}", SamplingParams(seed=i), (2, 3)) for i in range(200)]
+    rows = [SamplingRow(f"r{i}", SamplingParams(seed=i), 7, (2, 3)) for i in range(200)]
     first = Sampler()(logits.repeat(200, 1), rows).token_ids
     assert Sampler()(logits.repeat(200, 1), rows).token_ids == first
     assert len({tuple(t) for t in first}) > 3
+
+
+def test_verified_drafts_give_the_tokens_decoding_without_them_samples():
+    """A seeded request samples the same tokens whether positions 7-9 are drafted (and which
+    drafts) or decoded one per step, given the same logits at each position."""
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(3))
+    for seed in range(50):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        plain = [Sampler()(logits[i : i + 1], [SamplingRow("r", params, 7 + i)]).token_ids[0][0]
+                 for i in range(3)]  # fmt: skip
+        for drafts in (
+            (plain[0], plain[1]),
+            (plain[0], (plain[1] + 1) % V),
+            ((plain[0] + 1) % V, 0),
+        ):
+            out = Sampler()(logits, [SamplingRow("r", params, 7, drafts)]).token_ids[0]
+            assert out == plain[: len(out)], (seed, drafts)
 
 
 def test_greedy_verification_keeps_the_drafts_up_to_the_first_miss():
@@ -117,9 +134,9 @@ def test_greedy_verification_keeps_the_drafts_up_to_the_first_miss():
     logits[torch.arange(7), best] = 2.0
     greedy = SamplingParams(temperature=0.0)
     rows = [
-        SamplingRow("miss-second", greedy, (3, 2)),  # rows 0-2: 3 stands, 2 != 1
-        SamplingRow("all", greedy, (2, 0)),  # rows 3-5: both stand, bonus from row 5
-        SamplingRow("plain", greedy),  # row 6
+        SamplingRow("miss-second", greedy, 0, (3, 2)),  # rows 0-2: 3 stands, 2 != 1
+        SamplingRow("all", greedy, 0, (2, 0)),  # rows 3-5: both stand, bonus from row 5
+        SamplingRow("plain", greedy, 0),  # row 6
     ]
     assert Sampler()(logits, rows).token_ids == [[3, 1], [2, 0, 0], [4]]
 
@@ -127,8 +144,8 @@ def test_greedy_verification_keeps_the_drafts_up_to_the_first_miss():
 def test_logprobs_come_from_the_row_that_produced_each_token():
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(2))
     best = logits.argmax(dim=-1).tolist()
-    rows = [SamplingRow("a", SamplingParams(temperature=0.0, logprobs=2), (best[0], best[1]))]
-    rows.append(SamplingRow("b", SamplingParams(temperature=0.0)))
+    rows = [SamplingRow("a", SamplingParams(temperature=0.0, logprobs=2), 0, (best[0], best[1]))]
+    rows.append(SamplingRow("b", SamplingParams(temperature=0.0), 0))
     out = Sampler()(logits, rows)
     assert out.token_ids == [[best[0], best[1], best[2]], [best[3]]]
     assert out.logprobs[1] is None

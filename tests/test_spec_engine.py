@@ -164,9 +164,19 @@ def test_seeded_sampling_is_reproducible_and_bounded(tiny):
     first = generate(spec, ["abcabcabc"] * 4, params)
     again = generate(spec, ["abcabcabc"] * 4, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert spec.stats()["spec_accepted_tokens"] > 0
     assert all(len(o.token_ids) <= 9 + i for i, o in enumerate(first))
     engine = spec.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llama):
+    base, spec = llama
+    prompts = mixed_prompts(300, 7)
+    params = [SamplingParams(temperature=0.9, seed=i, max_tokens=12) for i in range(len(prompts))]
+    drafted = spec.stats()["spec_draft_tokens"]
+    same(generate(spec, prompts, params), generate(base, prompts, params))
+    assert spec.stats()["spec_draft_tokens"] > drafted
 
 
 @pytest.mark.parametrize(

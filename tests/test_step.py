@@ -28,7 +28,7 @@ def test_build_step_lays_out_a_mixed_batch():
     decode = seq("d", list(range(10, 16)), computed=5, blocks=[7, 3])  # 1 new token at pos 5
     chunk = seq("c", list(range(20, 30)), computed=2, blocks=[4, 9, 1])  # 3 of 8 left
     batch = ScheduledBatch([decode, chunk], [1, 3])
-    step = build_step(batch, BS, eager, finished=("gone",))
+    step = build_step(batch, BS, eager)
     assert step.input_ids.tolist() == [15, 22, 23, 24]
     assert step.positions.tolist() == [5, 2, 3, 4]
     assert step.query_start_loc.tolist() == [0, 1, 4]
@@ -38,8 +38,7 @@ def test_build_step_lays_out_a_mixed_batch():
     assert step.slot_mapping.tolist() == [3 * BS + 1, 4 * BS + 2, 4 * BS + 3, 9 * BS + 0]
     # only the decode reached its last token: one logits row, at its token
     assert step.logits_indices.tolist() == [0]
-    assert step.sampling == [SamplingRow("d", decode.params)]
-    assert step.finished == ("gone",)
+    assert step.sampling == [SamplingRow("d", decode.params, position=6)]
     assert (step.num_tokens, step.num_reqs, step.padded_tokens) == (4, 2, 4)
 
 
@@ -63,18 +62,20 @@ def test_dummy_step_stores_nothing_and_reads_block_zero():
     assert not step.sampling
 
 
-def test_sampler_keeps_a_seeded_requests_state_until_it_is_forgotten():
+def test_a_seeded_requests_draws_depend_on_its_positions_alone():
     logits = torch.randn(1, 50)
     params = SamplingParams(temperature=1.0, seed=5)
-    row = SamplingRow("a", params)
     sampler = Sampler()
-    first = [sampler(logits, [row]).token_ids[0][0] for _ in range(8)]
-    again = Sampler()
-    assert [again(logits, [row]).token_ids[0][0] for _ in range(8)] == first
-    sampler.forget(("a",))
-    assert "a" not in sampler.generators
-    assert [sampler(logits, [row]).token_ids[0][0] for _ in range(8)] == first
-    assert len(set(first)) > 1  # the state advanced between steps
+    first = [sampler(logits, [SamplingRow("a", params, i)]).token_ids[0][0] for i in range(8)]
+    crowd = [SamplingRow(f"other{j}", SamplingParams(temperature=1.0), 0) for j in range(3)]
+    for i in reversed(range(8)):  # any order, any batch, a fresh sampler: the same tokens
+        rows = [*crowd[: i % 3], SamplingRow("b", params, i), *crowd[i % 3 :]]
+        out = Sampler()(logits.expand(len(rows), 50), rows).token_ids
+        assert out[i % 3] == [first[i]]
+    assert len(set(first)) > 1  # positions draw differently
+    other_seed = SamplingParams(temperature=1.0, seed=6)
+    assert [sampler(logits, [SamplingRow("a", other_seed, i)]).token_ids[0][0]
+            for i in range(8)] != first  # fmt: skip
 
 
 def test_drafts_follow_the_last_token_and_each_gets_a_logits_row():
@@ -91,4 +92,5 @@ def test_drafts_follow_the_last_token_and_each_gets_a_logits_row():
     assert step.slot_mapping[:6].tolist() == drafts_slots
     assert step.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]  # c samples nothing yet
     assert [r.draft_token_ids for r in step.sampling] == [(13, 14), (25, 26)]
+    assert [r.position for r in step.sampling] == [3, 5]
     assert ScheduledBatch([a, b], [3, 3], [[13, 14], [25, 26]]).uniform_query_len == 3

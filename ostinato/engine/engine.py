@@ -51,7 +51,6 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.in_flight: deque[tuple[ScheduledBatch, StepInput, PendingStep]] = deque()
-        self._ended: list[str] = []  # request ids the sampler may forget, sent with the next step
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_draft_tokens = 0  # draft tokens verified (proposed or padded)
@@ -135,7 +134,6 @@ class LLMEngine:
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         del self.requests[seq.request_id], self.detokenizers[seq.request_id]
-        self._ended.append(seq.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -147,8 +145,7 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            step = self.runner.build_step(batch, tuple(self._ended), self.lora)
-            self._ended.clear()
+            step = self.runner.build_step(batch, self.lora)
             self.in_flight.append((batch, step, self.executor.submit(step)))
         if not self.in_flight:
             return []

@@ -191,11 +191,10 @@ class ModelRunner:
     def build_step(
         self,
         batch: ScheduledBatch,
-        finished: tuple[str, ...] = (),
         lora: AdapterSlots | None = None,
     ) -> StepInput:
         """The driver's half: the batch as arrays, with its adapter slots and graph decision."""
-        return build_step(batch, self.block_size, self.graphs.dispatch, finished, lora)
+        return build_step(batch, self.block_size, self.graphs.dispatch, lora)
 
     def run(self, step: StepInput) -> SamplerOutput | None:
         """Every rank's half. Returns the sampled tokens on the sampling rank (the last stage's
@@ -216,7 +215,6 @@ class ModelRunner:
         if not self.rank.is_last_stage:
             self.link.send(_rows(out, num_tokens))
             return None
-        self.sampler.forget(step.finished)
         if not step.sampling:
             return None
         logits = self._logits(out, len(step.logits_indices))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -17,15 +18,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Owns the random state of seeded requests (one CPU generator each, kept across steps
-    until the request ends), so whichever process samples holds it."""
+    """Samples by an exponential race, argmax(p / E) with E ~ Exp(1) per vocabulary entry.
 
-    def __init__(self) -> None:
-        self.generators: dict[str, torch.Generator] = {}
-
-    def forget(self, request_ids: tuple[str, ...]) -> None:
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
+    A seeded request's E for the token at position i of its sequence is drawn from a generator
+    seeded by (seed, i) alone, so its output depends on nothing else: not on the batch it ran in,
+    the steps it took, the process that sampled it, or whether drafts were verified (a draft
+    stands when the position's sample equals it; see spec/rejection.py)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits [sum of 1 + len(row.draft_token_ids), vocab]: each row's logits rows in
@@ -53,13 +51,6 @@ class Sampler:
             start += 1 + len(row.draft_token_ids)
         return SamplerOutput(out_tokens, self._logprobs(logits, rows, out_tokens, out_rows))
 
-    def _generator(self, row: SamplingRow) -> torch.Generator | None:
-        if row.params.seed is None:
-            return None
-        if row.request_id not in self.generators:
-            self.generators[row.request_id] = torch.Generator().manual_seed(row.params.seed)
-        return self.generators[row.request_id]
-
     def _sample(
         self, logits: torch.Tensor, owners: list[SamplingRow], draft_list: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,35 +64,16 @@ class Sampler:
             scaled = _top_k_top_p(scaled, owners)
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
-        uniforms = torch.rand(len(owners), device=device) if drafts is not None else None
-        self._seeded_draws(owners, noise, uniforms)
+        _seeded_noise(owners, noise)
         greedy = torch.tensor([s.params.greedy for s in owners], device=device)
         argmax = logits.argmax(dim=-1)
         if drafts is None:
             return torch.where(greedy, argmax, (probs / noise).argmax(dim=-1)), None
-        sampled, accepted = rejection_sample(probs, drafts, noise, uniforms)
+        sampled, accepted = rejection_sample(probs, drafts, noise)
         return (
             torch.where(greedy, argmax, sampled),
             torch.where(greedy, drafts == argmax, accepted),
         )
-
-    def _seeded_draws(
-        self, owners: list[SamplingRow], noise: torch.Tensor, uniforms: torch.Tensor | None
-    ) -> None:
-        """Replace the draws of seeded requests' rows with draws from their own generators:
-        per step an Exp(1) row per logits row, then, with drafts, a uniform per logits row."""
-        start = 0
-        while start < len(owners):
-            row = owners[start]
-            width = 1 + len(row.draft_token_ids)
-            generator = self._generator(row)
-            if generator is not None:
-                rows = torch.empty(width, noise.shape[1]).exponential_(generator=generator)
-                noise[start : start + width] = rows.to(noise.device)
-                if uniforms is not None:
-                    u = torch.rand(width, generator=generator)
-                    uniforms[start : start + width] = u.to(uniforms.device)
-            start += width
 
     def _logprobs(
         self,
@@ -137,6 +109,25 @@ class Sampler:
                 k += 1
             out.append(entries)
         return out
+
+
+def _seeded_noise(owners: list[SamplingRow], noise: torch.Tensor) -> None:
+    """Overwrite the Exp(1) rows of seeded requests with the draws of their positions: row j of
+    a request's 1 + len(drafts) rows samples the token at position row.position + j."""
+    start = 0
+    while start < len(owners):
+        row = owners[start]
+        width = 1 + len(row.draft_token_ids)
+        if row.params.seed is not None:
+            draws = [_position_noise(row.params.seed, row.position + j, noise.shape[1])
+                     for j in range(width)]  # fmt: skip
+            noise[start : start + width] = torch.stack(draws).to(noise.device)
+        start += width
+
+
+def _position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{position}".encode()))
+    return torch.empty(vocab).exponential_(generator=generator)
 
 
 def _top_k_top_p(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:

@@ -24,6 +24,7 @@ class SamplingRow:
 
     request_id: str
     params: SamplingParams
+    position: int  # where row 0's token goes in the request's sequence (seeded draws key on it)
     draft_token_ids: tuple[int, ...] = ()
 
 
@@ -48,7 +49,6 @@ class StepInput:
     block_table: np.ndarray
     logits_indices: np.ndarray
     sampling: list[SamplingRow]
-    finished: tuple[str, ...] = ()  # requests that ended since the last step
     lora_slots: np.ndarray | None = None
     lora_loads: tuple[LoRALoad, ...] = ()
 
@@ -74,7 +74,6 @@ def build_step(
     batch: ScheduledBatch,
     block_size: int,
     dispatch: Dispatch,
-    finished: tuple[str, ...] = (),
     lora: AdapterSlots | None = None,
 ) -> StepInput:
     """Token-level arrays of `batch`, vectorised over tokens, its adapter slots (assigned by
@@ -124,10 +123,9 @@ def build_step(
         block_table=block_table,
         logits_indices=_logits_rows(query_start_loc[sampled + 1], 1 + num_drafts[sampled]),
         sampling=[
-            SamplingRow(seqs[i].request_id, seqs[i].params, tuple(drafts[i]))
+            SamplingRow(seqs[i].request_id, seqs[i].params, len(seqs[i]), tuple(drafts[i]))
             for i in sampled.tolist()
         ],
-        finished=finished,
         lora_slots=lora_slots,
         lora_loads=lora_loads,
     )

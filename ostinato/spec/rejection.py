@@ -2,11 +2,12 @@
 
 A draft is a point-mass proposal q = 1[x = d]. Rejection sampling accepts it with probability
 min(1, p(d) / q(d)) = p(d); on rejection the token comes from the residual max(p - q, 0),
-normalised, which is p with d removed. So the first token that is not an accepted draft has
-probability p(d) * 1[x = d] + (1 - p(d)) * p(x) 1[x != d] / (1 - p(d)) = p(x): sampling with
-speculation draws from exactly the distribution it draws from without. Greedy rows accept a
-draft when it is the argmax and otherwise emit the argmax, which is the same rule at zero
-temperature.
+normalised, which is p with d removed. Drawing x ~ p and accepting d exactly when x = d is that
+rule with the coin and the residual draw coupled into one draw: P(accept) = p(d), and a rejected
+x is distributed as p given x != d, the residual. So the first token that is not an accepted
+draft has probability p(x), as without speculation, and with the same draw of the race it is
+the very token decoding without drafts would have sampled. Greedy rows accept a draft when it
+is the argmax and otherwise emit the argmax, which is the same rule at zero temperature.
 """
 
 from __future__ import annotations
@@ -15,22 +16,17 @@ import torch
 
 
 def rejection_sample(
-    probs: torch.Tensor, drafts: torch.Tensor, noise: torch.Tensor, uniforms: torch.Tensor
+    probs: torch.Tensor, drafts: torch.Tensor, noise: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """probs [rows, vocab]: target distributions; drafts [rows]: the token each row verifies,
-    -1 for a row with none (it only samples); noise [rows, vocab]: Exp(1) draws; uniforms
-    [rows]: U[0, 1) draws.
+    -1 for a row with none (it only samples); noise [rows, vocab]: Exp(1) draws.
 
-    Returns (token, accepted) per row: accepted says the draft stands; token is the row's
-    sample otherwise (from the residual where there is a draft, from probs where there is
-    none). Sampling is an exponential race: argmax(p / E) with E ~ Exp(1) is distributed as p.
+    Returns (token, accepted) per row: token is the row's sample (an exponential race:
+    argmax(p / E) with E ~ Exp(1) is distributed as p); accepted says the draft stands, which
+    is when the sample is the draft.
     """
-    has_draft = drafts >= 0
-    index = drafts.clamp(min=0)[:, None]
-    p_draft = probs.gather(1, index).squeeze(1)
-    residual = probs.scatter(1, index, torch.where(has_draft, 0.0, p_draft)[:, None])
-    tokens = (residual / noise).argmax(dim=-1)
-    return tokens, has_draft & (uniforms < p_draft)
+    tokens = (probs / noise).argmax(dim=-1)
+    return tokens, tokens == drafts
 
 
 def accepted_prefix(accepted: list[bool], start: int, num_drafts: int) -> int:

@@ -75,8 +75,10 @@ def test_sampling_with_speculation_on_the_gpu(checkpoint):
         SamplingParams(temperature=0.8, top_k=50, seed=i, max_tokens=20 + i) for i in range(6)
     ]
     first = llm.generate([prompt] * 6, params, use_tqdm=False)
-    again = llm.generate([prompt] * 6, params, use_tqdm=False)
+    again = llm.generate([prompt] * 6, params, use_tqdm=False)  # prefix-cached, batched anew
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    plain = engine(checkpoint, "full_and_piecewise").generate([prompt] * 6, params, use_tqdm=False)
+    assert [o.token_ids for o in first] == [o.token_ids for o in plain]  # seeded draws by position
     assert [len(o.token_ids) for o in first] == [20 + i for i in range(6)]
     assert llm.stats()["spec_draft_tokens"] > 0
     assert llm.graph_report()["full_decode_steps"].get(str(1 + K), 0) > 0
