@@ -95,8 +95,8 @@ def phases(engine: LLMEngine, batch: int, steps: int) -> dict:
         t3 = time.perf_counter()
         engine.scheduler.complete(sched)
         seqs = {seq.request_id: seq for seq in sched.seqs}
-        for row, token in zip(step.sampling, sampled.token_ids, strict=True):
-            engine._append_token(seqs[row.request_id], token, None)
+        for row, tokens in zip(step.sampling, sampled.token_ids, strict=True):
+            engine._append_tokens(seqs[row.request_id], tokens, None)
         totals.update(prepare=t1 - t0, forward=t2 - t1, sample=t3 - t2)
         mode = step.mode.value
     finish(engine)
