@@ -276,6 +276,18 @@ def test_requests_without_a_proposal_are_padded_so_the_batch_stays_uniform():
     assert batch.uniform_query_len == 4 and batch.num_tokens == 8
 
 
+def test_a_batch_speculates_only_when_half_its_decodes_have_a_proposal():
+    sched, _ = make_spec_scheduler(num_blocks=32, max_num_seqs=3)
+    a, b, c = decoding(sched, [1, 2, 3], [4, 5, 6], [7, 8, 9])
+    b.token_ids[-1], c.token_ids[-1] = 50, 51  # one proposal in three: a plain decode
+    batch = sched.schedule()
+    assert batch.drafts == [[], [], []] and batch.uniform_query_len == 1
+    sched.complete(batch)
+    for seq in (a, b, c):
+        seq.token_ids.append(3 if seq is a else 5)  # now a and b repeat their last token
+    assert sum(map(bool, sched.schedule().drafts)) == 3  # two in three: all verify k
+
+
 def test_drafts_stop_at_max_model_len():
     sched, _ = make_spec_scheduler(num_blocks=32, max_model_len=12)
     (seq,) = decoding(sched, [7] * 9)  # 10 tokens: positions 9, 10 and 11 are left

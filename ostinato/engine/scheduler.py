@@ -119,14 +119,16 @@ class Scheduler:
         return ScheduledBatch(seqs, list(self._scheduled.values()), drafts)
 
     def _propose(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
-        """Draft tokens of the decodes. When any has a proposal, every one verifies k drafts,
-        those without one the last token repeated: the batch stays a uniform decode batch (a
-        FULL graph of q = 1 + k), and a padded draft is verified like any other. When none has
-        one, none speculates (a plain decode step). Drafts never reach past max_model_len."""
+        """Draft tokens of the decodes. When at least half of them have a proposal, every one
+        verifies k drafts, those without one the last token repeated: the batch stays a uniform
+        decode batch (a FULL graph of q = 1 + k), and a padded draft is verified like any other.
+        Otherwise none speculates (a plain decode step): a lone chance match would make the
+        whole batch verify k drafts that are mostly padding. Drafts never reach past
+        max_model_len."""
         if self.proposer is None:
             return {}
         proposals = {seq: self.proposer.propose(seq) for seq in decodes}
-        if not any(proposals.values()):
+        if 2 * sum(1 for draft in proposals.values() if draft) < len(proposals):
             return {}
         k = self.num_speculative_tokens
         return {
