@@ -52,13 +52,15 @@ parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 o
   python3 -m pytest tests/gpu/test_parallel.py --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/parallel-tests.log"
   ;;
 parallel-bench)  # MODEL: decode latency at batch 1 and 32 per mode, throughput at batch 64
+  # MODES, ITERS and SHAPES (flag sets separated by ";") narrow a run to the device time left
   model=${2:?model}
   info | tee "$OUT/env.txt"
-  for shape in "--pipeline-parallel-size 1" "--pipeline-parallel-size 2" "--tensor-parallel-size 2"; do
+  IFS=";" read -r -a shapes <<< "${SHAPES:---pipeline-parallel-size 1;--pipeline-parallel-size 2;--tensor-parallel-size 2}"
+  for shape in "${shapes[@]}"; do
     # shellcheck disable=SC2086
     python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,32 \
-      --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 $shape \
-      --cuda-graph-mode none,piecewise,full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/parallel-latency.jsonl"
+      --input-len 128 --output-len 64 --iters "${ITERS:-3}" --max-model-len 2048 $shape \
+      --cuda-graph-mode "${MODES:-none,piecewise,full_and_piecewise}" 2>>"$OUT/bench.err" | tee -a "$OUT/parallel-latency.jsonl"
   done
   for shape in "--pipeline-parallel-size 1 --batch-size 64" "--pipeline-parallel-size 2 --batch-size 64" \
       "--pipeline-parallel-size 2 --batch-size 128"; do
