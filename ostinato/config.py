@@ -181,7 +181,7 @@ class EngineConfig:
 
     def for_model(self, hf_config) -> EngineConfig:
         """The config checked against the model: max_model_len resolved against its context
-        length, the pipeline split against its layers."""
+        length, the pipeline split against its layers, the tensor split against its heads."""
         num_layers = hf_config.num_hidden_layers
         if self.pipeline_parallel_size > num_layers:
             raise ValueError(
@@ -189,6 +189,7 @@ class EngineConfig:
                 f"{num_layers} layers: every stage needs at least one"
             )
         stage_layers(num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+        _check_tensor_split(hf_config, self.tensor_parallel_size)
         limit = getattr(hf_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
         if self.max_model_len is None:
             return replace(self, max_model_len=min(limit, DEFAULT_MAX_MODEL_LEN))
@@ -202,3 +203,31 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+def _tensor_split_problems(hf_config, tp_size: int) -> list[str]:
+    """What of the model tp_size tensor ranks cannot split (empty: it splits)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"its {heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        problems.append(f"its {kv_heads} KV heads (nor is it a multiple of them)")
+    if hf_config.intermediate_size % tp_size:
+        problems.append(f"its intermediate_size {hf_config.intermediate_size}")
+    return problems
+
+
+def _check_tensor_split(hf_config, tp_size: int) -> None:
+    if tp_size == 1:  # nothing to split (and an unsupported model is refused by its loader)
+        return
+    problems = _tensor_split_problems(hf_config, tp_size)
+    if problems:
+        fits = [t for t in range(1, hf_config.num_attention_heads + 1)
+                if not _tensor_split_problems(hf_config, t)]  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide {' or '.join(problems)}: every "
+            f"tensor rank needs whole heads and an equal share of the features; choose "
+            f"tensor_parallel_size in {fits} (or split the layers with pipeline_parallel_size)"
+        )

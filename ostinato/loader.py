@@ -19,6 +19,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from ostinato.config import EngineConfig
+from ostinato.layers.weights import full_shape, loader_of
 from ostinato.models.llama import TIED
 from ostinato.models.registry import get_model_class
 
@@ -175,7 +176,10 @@ def load_model(
 
 def init_random_weights(model: nn.Module, seed: int) -> None:
     """Normal(0, 0.02) matrices, unit norms, zero biases, drawn on the model's device. Each
-    parameter is seeded by its name, so a pipeline stage gets the weights the whole model has."""
+    parameter is seeded by its name and drawn at its whole-model shape, then loaded like a
+    checkpoint tensor: a pipeline stage gets the weights the whole model has, and a tensor
+    rank its share of them. (A rank draws the whole tensor and keeps its slice; the draw is
+    freed at once, so only the load's peak grows, by the largest tensor.)"""
     tied = model.config.tie_word_embeddings
     generator = torch.Generator(next(model.parameters()).device)
     for name, param in model.named_parameters():
@@ -186,7 +190,8 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
         else:
             key = TIED[0] if tied and name in TIED else name  # a last stage's own tied head
             generator.manual_seed(zlib.crc32(f"{seed}/{key}".encode()))  # the CPU uses 32 bits
-            param.normal_(0.0, 0.02, generator=generator)
+            whole = torch.empty(full_shape(param), dtype=param.dtype, device=param.device)
+            loader_of(param)(param, whole.normal_(0.0, 0.02, generator=generator))
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -206,20 +211,37 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over every shard, on the CPU; a progress bar in bytes for big checkpoints."""
+class LazyTensor:
+    """A checkpoint tensor that is read when indexed, and only the rows or columns asked for
+    (safetensors' get_slice): a tensor-parallel rank never reads a whole tensor it splits.
+    Valid while iter_checkpoint is on its file."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self.shape = torch.Size(handle.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._handle[index]
+
+
+def iter_checkpoint(path: Path) -> Iterator[tuple[str, LazyTensor]]:
+    """(name, lazy tensor) over every shard, read onto the CPU when indexed; a progress bar
+    over the tensors for big checkpoints."""
     files = checkpoint_files(path)
-    total = sum(f.stat().st_size for f in files)
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        desc="Loading weights",
-        disable=total < _SHOW_PROGRESS_BYTES,
-    ) as bar:
+    big = sum(f.stat().st_size for f in files) >= _SHOW_PROGRESS_BYTES
+    total = _count_tensors(files) if big else 0
+    with tqdm(total=total, desc="Loading weights", unit=" tensors", disable=not big) as bar:
         for file in files:
             with safe_open(file, framework="pt") as shard:
                 for name in shard.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    tensor = shard.get_tensor(name)
-                    yield name, tensor
-                    bar.update(tensor.numel() * tensor.element_size())
+                    yield name, LazyTensor(shard.get_slice(name))
+                    bar.update()
+
+
+def _count_tensors(files: list[Path]) -> int:
+    """From the files' headers alone."""
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as shard:
+            total += len(shard.keys())
+    return total

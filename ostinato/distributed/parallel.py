@@ -67,6 +67,25 @@ class TPGroup:
         return torch.cat(parts, dim=dim)
 
 
+def rank_share(units: int, rank: int, size: int) -> range:
+    """The units (attention heads, KV heads, features) tensor rank `rank` of `size` holds: an
+    even split, or, with fewer units than ranks, the one unit that size // units ranks share
+    (KV heads: ranks 2r and 2r + 1 of 2 * units both hold head r)."""
+    if units % size and size % units:
+        raise ValueError(
+            f"{units} heads or features cannot be split over {size} tensor ranks: the rank "
+            "count must divide them, or be a multiple of them"
+        )
+    start = rank * units // size
+    return range(start, start + max(1, units // size))
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """Each tensor rank holds its share of the KV heads, or one replicated head when there are
+    fewer heads than ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
 _tp_group = TPGroup()
 
 

@@ -120,6 +120,9 @@ def join(
             tp = TPGroup(me.tp_rank, me.tp_size, group)
             groups.append(group)
     set_tp_group(tp)
+    # NCCL creates a group's communicator at its first collective, which must not happen
+    # inside a CUDA graph capture (the layers' all-reduces are captured): create it now
+    tp.all_reduce(torch.zeros(1, device=device))
     return World(me, config, Channel(control), groups)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ostinato.config import EngineConfig
-from ostinato.distributed.parallel import stage_layers
+from ostinato.distributed.parallel import kv_heads_per_rank, stage_layers
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.plan import CapturePlan
@@ -14,8 +14,8 @@ from ostinato.graphs.plan import CapturePlan
 def explain(config: EngineConfig, hf_config=None) -> dict:
     """The resolved mode, every rule that fired, the sizes that would be captured (each once
     per active-adapter count of lora_counts), and the config; with the model's hf_config,
-    each pipeline stage's share too (every stage captures the same sizes). Queries no device,
-    so `device='cuda'` can be checked on a machine without one."""
+    each pipeline stage's share and each tensor rank's (every stage captures the same sizes).
+    Queries no device, so `device='cuda'` can be checked on a machine without one."""
     plan = CapturePlan.from_config(config)
     resolution = resolve(config, plan)
     report = {
@@ -27,6 +27,7 @@ def explain(config: EngineConfig, hf_config=None) -> dict:
     }
     if hf_config is not None:
         report["stages"] = stages(config, hf_config)
+        report["tensor_parallel"] = tensor_split(config.tensor_parallel_size, hf_config)
     return report
 
 
@@ -45,3 +46,16 @@ def stages(config: EngineConfig, hf_config) -> list[dict]:
         }
         for s, r in enumerate(layers)
     ]
+
+
+def tensor_split(tp: int, hf_config) -> dict:
+    """What each tensor rank holds: its attention and KV heads (how many ranks share each KV
+    head when there are fewer than ranks) and its rows of the vocabulary."""
+    kv_heads = hf_config.num_key_value_heads
+    return {
+        "size": tp,
+        "attention_heads_per_rank": hf_config.num_attention_heads // tp,
+        "kv_heads_per_rank": kv_heads_per_rank(kv_heads, tp),
+        "ranks_per_kv_head": max(1, tp // kv_heads),
+        "vocab_rows_per_rank": -(-hf_config.vocab_size // tp),
+    }

@@ -1,8 +1,14 @@
-"""Linear layers, including merged projections (q|k|v and gate|up) that run as one matmul.
+"""Linear layers: merged projections (q|k|v and gate|up run as one matmul) and their split over
+tensor-parallel ranks.
 
-Merging saves kernel launches, which is what a decode step is bound by. Checkpoints store the
-parts separately, so merged parameters carry a `weight_loader` that fills one shard of rows.
-Parameters are created uninitialised: the loader fills every one of them.
+Merging saves kernel launches, which is what a decode step is bound by. With T tensor ranks
+(distributed/parallel.py), a column-parallel projection holds 1/T of each merged part's output
+rows, in whole heads, and a row-parallel one 1/T of its input columns: the attention and the
+MLP between them run on this rank's heads and features alone, and one all-reduce per block
+sums the partial outputs. With T = 1 both are the plain projection: the same kernels (the
+small-batch kernel included), no collective.
+
+Parameters are created uninitialised: the loader fills every one (see layers/weights.py).
 """
 
 from __future__ import annotations
@@ -11,16 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ostinato.distributed.parallel import rank_share, tp_group
 from ostinato.kernels.gemv import gemv, gemv_pays
+from ostinato.layers.weights import Loadable, check_shape
 
 
-def copy_weight(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """The default loader: the checkpoint tensor must match the parameter's shape exactly."""
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}"
-        )
-    param.data.copy_(loaded)
+def project(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias): the small-batch kernel where it pays, else cuBLAS."""
+    if gemv_pays(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -30,28 +38,79 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gemv_pays(x, self.weight):
-            return gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dimension.
+class ColumnParallelLinear(Linear):
+    """Projections of the same input stacked along the output dimension, each split over the
+    tensor ranks in whole units (units[i] rows: a head's head_dim; default 1).
 
-    Shard i owns rows [offsets[i], offsets[i + 1]); `weight_loader(param, tensor, i)` copies a
-    checkpoint's separate projection (weight or bias) into it.
+    Part i has full_sizes[i] rows in the checkpoint; this rank holds rows[i] of them (a part
+    with fewer units than ranks is shared, as KV heads are: see rank_share), out_sizes[i] rows
+    at offsets[i] here. `weight_loader(param, tensor, i)` fills part i from the checkpoint's
+    separate projection (weight or bias); shard None: from the whole merged tensor.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        full_sizes: list[int],
+        bias: bool = False,
+        units: list[int] | None = None,
+    ) -> None:
+        tp = tp_group()
+        rows = []
+        for size, unit in zip(full_sizes, units or [1] * len(full_sizes), strict=True):
+            share = rank_share(size // unit, tp.rank, tp.size)
+            rows.append(slice(share.start * unit, share.stop * unit))
+        out_sizes = [r.stop - r.start for r in rows]
         super().__init__(in_features, sum(out_sizes), bias)
-        self.out_sizes = list(out_sizes)
+        self.rows, self.out_sizes, self.full_sizes = rows, out_sizes, list(full_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes) + 1)]
+        self.full_offsets = [sum(full_sizes[:i]) for i in range(len(full_sizes) + 1)]
         for param in self.parameters():
-            param.weight_loader = self.load_shard
+            param.weight_loader = self.load
             param.num_shards = len(out_sizes)
+            param.full_shape = (self.full_offsets[-1], *param.shape[1:])
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
-        copy_weight(param.data[self.offsets[shard] : self.offsets[shard + 1]], loaded)
+    def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
+        if shard is None:
+            check_shape(loaded, param.full_shape)
+            for i in range(len(self.full_sizes)):
+                self.load(param, loaded[self.full_offsets[i] : self.full_offsets[i + 1]], i)
+            return
+        check_shape(loaded, (self.full_sizes[shard], *param.shape[1:]))
+        here = param.data[self.offsets[shard] : self.offsets[shard + 1]]
+        here.copy_(loaded[self.rows[shard]])
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.out_sizes, dim=-1)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features (the heads or intermediate features a column-parallel
+    projection left on this rank) are split over the tensor ranks: each rank multiplies its
+    columns, one all-reduce sums the partial outputs, then the bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = tp_group()
+        if in_features % tp.size:
+            raise ValueError(
+                f"{in_features} input features cannot be split evenly over {tp.size} tensor "
+                "ranks: choose a tensor_parallel_size that divides them"
+            )
+        share = rank_share(in_features, tp.rank, tp.size)
+        super().__init__(len(share), out_features, bias)
+        self.tp, self.cols = tp, slice(share.start, share.stop)
+        self.weight.weight_loader = self.load
+        self.weight.full_shape = (out_features, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return project(x, self.weight, self.bias)
+        out = self.tp.all_reduce(project(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)
+
+    def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
+        check_shape(loaded, param.full_shape)
+        param.data.copy_(loaded[:, self.cols])

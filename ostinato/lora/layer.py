@@ -10,7 +10,7 @@ from ostinato.kernels.lora import lora_expand, lora_shrink
 
 
 class LoRALinear(nn.Module):
-    """Wraps a Linear or MergedLinear (shards: q|k|v, gate|up) with `num_slots` fixed slots.
+    """Wraps a Linear (merged ones have shards: q|k|v, gate|up) with `num_slots` fixed slots.
 
     Slot buffers are allocated once, so captured graphs keep reading the same addresses while
     adapters are copied in and out of them. A slot's shard s holds A in rows

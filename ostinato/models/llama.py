@@ -2,7 +2,9 @@
 
 Parameter names follow the Hugging Face checkpoints, except that q|k|v and gate|up are merged
 (`qkv_proj`, `gate_up_proj`: one matmul each) and layers are keyed by their global index, so a
-pipeline stage holding layers [start, end) reads the same names as the whole model.
+pipeline stage holding layers [start, end) reads the same names as the whole model. Under
+tensor parallelism each rank holds its heads and features (the layers split themselves by
+tp_group()); names stay the same, and each parameter's weight_loader reads its own share.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from torch import nn
 from ostinato.layers.activation import SiluAndMul
 from ostinato.layers.attention import Attention
 from ostinato.layers.embedding import LMHead, VocabEmbedding
-from ostinato.layers.linear import Linear, MergedLinear, copy_weight
+from ostinato.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.rotary import RotaryEmbedding, rope_parameters
+from ostinato.layers.weights import Loadable, loader_of
 from ostinato.models.base import IntermediateTensors
 
 # checkpoint projection -> (merged module, shard)
@@ -51,16 +54,21 @@ class LlamaAttention(nn.Module):
             config.num_key_value_heads,
             head_dim(config),
         )
-        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, [heads * dim, kv_heads * dim, kv_heads * dim], qkv_bias
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [heads * dim, kv_heads * dim, kv_heads * dim],
+            qkv_bias,
+            units=[dim] * 3,
         )
-        self.o_proj = Linear(heads * dim, config.hidden_size, o_bias)
+        # this rank's heads; a KV head is shared by several ranks when there are fewer of them
+        q_rows, kv_rows, _ = self.qkv_proj.out_sizes
+        self.heads, self.kv_heads, self.dim = q_rows // dim, kv_rows // dim, dim
+        self.o_proj = RowParallelLinear(heads * dim, config.hidden_size, o_bias)
         # Qwen3 normalises each head of q and k before rotating them
         self.q_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(heads, kv_heads, dim, layer_idx)
+        self.attn = Attention(self.heads, self.kv_heads, dim, layer_idx)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
@@ -74,9 +82,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.act = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
@@ -192,9 +200,11 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden] -> [n, vocab] in the model dtype."""
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors (Hugging Face names) into this stage's parameters; names
-        this stage does not hold are skipped. Raises ValueError if any parameter stays unfilled."""
+    def load_weights(self, weights: Iterable[tuple[str, Loadable]]) -> None:
+        """Copies checkpoint tensors (Hugging Face names; torch tensors or lazy ones that read
+        only what is indexed) into this stage's parameters, each through its weight_loader,
+        which takes this tensor rank's share; names this stage does not hold are skipped.
+        Raises ValueError if any parameter stays unfilled."""
         params = dict(self.named_parameters())  # a tied weight appears once
         loaded: set[tuple[str, int | None]] = set()
         for ckpt_name, tensor in weights:
@@ -203,10 +213,7 @@ class LlamaForCausalLM(nn.Module):
             for target in (t for t in targets if t in params):
                 param = params[target]
                 try:
-                    if shard is None:
-                        copy_weight(param.data, tensor)
-                    else:
-                        param.weight_loader(param, tensor, shard)
+                    loader_of(param)(param, tensor, shard)
                 except ValueError as e:
                     raise ValueError(f"{ckpt_name}: {e}") from None
                 loaded.add((target, shard))

@@ -16,7 +16,7 @@ import torch
 from ostinato.attention import get_attention_backend
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
-from ostinato.distributed.parallel import Rank, stage_layers, tp_group
+from ostinato.distributed.parallel import Rank, kv_heads_per_rank, stage_layers, tp_group
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
@@ -40,12 +40,6 @@ class StageLink(Protocol):
     def recv(self, into: IntermediateTensors) -> None: ...
 
     def send(self, out: IntermediateTensors) -> None: ...
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """Each tensor rank holds its share of the KV heads, or one replicated head when there are
-    fewer heads than ranks."""
-    return max(1, num_kv_heads // tp_size)
 
 
 class ModelRunner:

@@ -1,4 +1,5 @@
-"""On two GPUs with NCCL: pipeline stages with graphs in every mode equal one GPU; faults."""
+"""On two GPUs with NCCL: pipeline stages and tensor ranks (all-reduces captured inside the
+graphs) in every mode equal one GPU; faults."""
 
 import os
 import signal
@@ -47,6 +48,54 @@ def test_two_stages_equal_one_gpu_with_the_checker_on(checkpoint, reference, mod
         assert [s["layers"] for s in stages] == [[0, 2], [2, 4]]
         for stage in stages:
             check_steps(mode, stage["steps"])
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_tensor_ranks_equal_one_gpu_with_the_checker_on(checkpoint, reference, mode):
+    llm = engine(checkpoint, mode, tensor_parallel_size=2, check_graphs=1)
+    try:
+        assert mixed_workload(llm) == reference
+        stages = llm.graph_report()["stages"]
+        assert [(s["tp_rank"], s["layers"]) for s in stages] == [(0, [0, 4]), (1, [0, 4])]
+        for stage in stages:
+            check_steps(mode, stage["steps"])
+        assert stages[0]["steps"] == stages[1]["steps"]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_two_tensor_ranks_with_lazy_capture(checkpoint, reference):
+    """Each graph captured at its first use, on both ranks at the same step (a cold kernel
+    makes both run that step eagerly, collectives included)."""
+    llm = engine(
+        checkpoint, "full_and_piecewise", tensor_parallel_size=2, cuda_graph_capture="lazy"
+    )
+    try:
+        assert mixed_workload(llm) == reference
+        stages = llm.graph_report()["stages"]
+        assert stages[0]["captured"] == stages[1]["captured"]
+        check_steps("full_and_piecewise", stages[0]["steps"])
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_two_tensor_ranks_times_two_stages_equal_one_gpu(checkpoint, reference):
+    llm = engine(
+        checkpoint,
+        "full_and_piecewise",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        check_graphs=1,
+    )
+    try:
+        assert mixed_workload(llm) == reference
+        stages = llm.graph_report()["stages"]
+        assert [(s["pp_rank"], s["tp_rank"]) for s in stages] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        for stage in stages:
+            check_steps("full_and_piecewise", stage["steps"])
     finally:
         llm.engine.shutdown()
 
