@@ -282,3 +282,41 @@ def test_a_variant_that_stays_cold_after_its_warm_up_is_a_clear_error(rec, kerne
 
     with pytest.raises(RuntimeError, match="its own warm-up did not"):
         GraphRunner(config).capture(forward)
+
+
+def test_graph_memory_counts_the_captures_and_warm_up_memory_apart(rec, kernels, monkeypatch):
+    """Free memory falls by 8 MiB per captured graph (its pool and state) and by 100 MiB per
+    warm-up (the first launches load kernel modules): graph memory counts only the first."""
+    free = [2**31]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free[0], 2**32))
+    make_graph = torch.cuda.CUDAGraph
+
+    def graph_taking_memory():
+        graph = make_graph()
+        begin = graph.capture_begin
+
+        def capture_begin(pool=None):
+            free[0] -= 8 * 2**20
+            begin(pool)
+
+        graph.capture_begin = capture_begin
+        return graph
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_taking_memory)
+    recording = variants.recording
+
+    @contextlib.contextmanager
+    def loading_modules():
+        free[0] -= 100 * 2**20
+        with recording():
+            yield
+
+    monkeypatch.setattr(variants, "recording", loading_modules)
+    config = EngineConfig(device="cuda", capture_sizes=[1, 2, 4, 16, 32], max_num_seqs=32)
+    runner = GraphRunner(config)
+    runner.capture(lazy_forward(rec, []), prepare=lambda desc: None)
+    report = runner.report()
+    segments = sum(1 for event in rec.events if event[0] == "begin")
+    # every capture attempt's segments count (a cold one stops in its first segment)
+    assert report["graph_memory_bytes"] == segments * 8 * 2**20
+    assert report["warmup_memory_bytes"] == report["warmups"] * 100 * 2**20 > 0

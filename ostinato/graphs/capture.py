@@ -96,6 +96,7 @@ class GraphRunner:
         self.dropped: list[BatchDescriptor] = []
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self.warmup_memory_bytes = 0  # eager capture: what its warm-ups' first launches took
         self.num_warmups = 0
         self.steps: Counter[CudaGraphMode] = Counter()
         self.full_decode_steps: Counter[int] = Counter()  # FULL decode replays per query length
@@ -211,15 +212,18 @@ class GraphRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # give back the warm-ups' memory before measuring
             self.capture_seconds = time.perf_counter() - start
-            self.graph_memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+            taken = free_before - torch.cuda.mem_get_info()[0]
+            self.warmup_memory_bytes = taken - self.graph_memory_bytes
         if self.dropped:
             self.dispatcher = self.dispatcher.without(self.dropped)
         logger.info(
-            "captured %s in %.2f s (%d warm-ups), %.1f MiB of graph memory",
+            "captured %s in %.2f s (%d warm-ups), %.1f MiB of graph memory (+%.1f MiB that the "
+            "warm-ups' first kernel launches took)",
             ", ".join(f"{len(g)} {m.value}" for m, g in self.graphs.items() if g) or "no graphs",
             self.capture_seconds,
             self.num_warmups,
             self.graph_memory_bytes / 2**20,
+            self.warmup_memory_bytes / 2**20,
         )
 
     def _capture_stream(self) -> torch.cuda.Stream:
@@ -267,7 +271,7 @@ class GraphRunner:
         stream = self._capture_stream()
         graph = BreakableGraph(self._pool, stream)
         try:
-            with self._lazy_totals(), variants.warm_only(), paused_gc():
+            with self._totals(), variants.warm_only(), paused_gc():
                 graph.capture(
                     lambda: self._forward_fn(desc), breaks=mode is CudaGraphMode.PIECEWISE
                 )
@@ -277,18 +281,19 @@ class GraphRunner:
         return graph
 
     @contextmanager
-    def _lazy_totals(self) -> Iterator[None]:
-        """A lazy capture adds its own seconds and memory to the totals, leaving out the step
-        it may follow; eager capture measures its whole loop instead."""
-        if not self.lazy:
-            yield
-            return
+    def _totals(self) -> Iterator[None]:
+        """Graph memory is what the capture windows take (the pool grows, the graphs keep
+        their state); what a warm-up's first kernel launches take (module loads, the capture
+        stream's cuBLAS workspace) is counted apart, under warmup_memory_bytes. A lazy capture
+        also adds its seconds, leaving out the step it may follow; eager capture times its
+        whole loop, warm-ups included."""
         free_before, start = torch.cuda.mem_get_info()[0], time.perf_counter()
         try:
             yield
         finally:
-            self.capture_seconds += time.perf_counter() - start
             self.graph_memory_bytes += free_before - torch.cuda.mem_get_info()[0]
+            if self.lazy:
+                self.capture_seconds += time.perf_counter() - start
 
     def _check_addresses(self) -> None:
         for name, t in self._buffers().items():
@@ -309,6 +314,7 @@ class GraphRunner:
             "dropped": [asdict(d) for d in self.dropped],
             "capture_seconds": self.capture_seconds,
             "graph_memory_bytes": self.graph_memory_bytes,
+            "warmup_memory_bytes": self.warmup_memory_bytes,
             "warmups": self.num_warmups,
             "steps": {m.value: self.steps[m] for m in RUNTIME_MODES},
             "full_decode_steps": {str(q): n for q, n in sorted(self.full_decode_steps.items())},
