@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh parallel-bench M  # two GPUs: P=1 vs P=2 vs T=2 benches
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
+#   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -45,6 +46,15 @@ bench)
   python3 -m ostinato.cli bench startup --model "$model" --json --max-model-len 2048 \
     2>>"$OUT/bench.err" | tee -a "$OUT/startup.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | tail -n 15
+  ;;
+async)  # MODEL: decode latency with async scheduling on and off, side by side in one process
+  # MODES and BATCHES narrow a run to the device time left
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  python3 -m ostinato.cli bench latency --model "$model" --json --batch-size "${BATCHES:-1,8,32,64}" \
+    --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 --async-scheduling on,off \
+    --cuda-graph-mode "${MODES:-none,piecewise,full_and_piecewise}" 2>>"$OUT/bench.err" | tee -a "$OUT/async-latency.jsonl"
+  grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
   ;;
 parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 on one machine
   info | tee "$OUT/env.txt"

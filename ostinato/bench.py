@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import json
 import tempfile
 import time
@@ -104,30 +105,39 @@ def _count_list(text: str) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ostinato.cli import engine_config
+    from ostinato.cli import async_scheduling, engine_config
 
-    # --cuda-graph-mode and --cuda-graph-capture may list several values: every pair runs,
-    # one after another in this process.
+    # --cuda-graph-mode, --cuda-graph-capture and --async-scheduling may list several values:
+    # every combination runs, one after another in this process.
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
     most_loras = max(getattr(args, "num_loras", [0]))
-    for mode in args.cuda_graph_mode.split(","):
-        for capture in args.cuda_graph_capture.split(","):
-            config = engine_config(args, cuda_graph_mode=mode, cuda_graph_capture=capture)
-            if most_loras:
-                loras = max(most_loras, config.max_loras)
-                config = dataclasses.replace(config, enable_lora=True, max_loras=loras)
-            engine, build_s = _build(config)
-            try:
-                for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
-                    shape = {"pp": config.pipeline_parallel_size, "tp": config.tensor_parallel_size}
-                    head = {"bench": args.bench, "model": config.model, **shape}
-                    emit_result({**head, **result}, args.json)
-            finally:
-                engine.shutdown()  # worker processes, before the next engine starts its own
-            del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    for mode, capture, overlap in itertools.product(
+        args.cuda_graph_mode.split(","),
+        args.cuda_graph_capture.split(","),
+        args.async_scheduling.split(","),
+    ):
+        config = engine_config(
+            args,
+            cuda_graph_mode=mode,
+            cuda_graph_capture=capture,
+            async_scheduling=async_scheduling(overlap),
+        )
+        if most_loras:
+            loras = max(most_loras, config.max_loras)
+            config = dataclasses.replace(config, enable_lora=True, max_loras=loras)
+        engine, build_s = _build(config)
+        try:
+            for result in BENCHES[args.bench](engine, build_s, args, bandwidth):
+                shape = {"pp": config.pipeline_parallel_size, "tp": config.tensor_parallel_size}
+                head = {"bench": args.bench, "model": config.model, **shape,
+                        "async_scheduling": engine.config.async_scheduling}  # fmt: skip
+                emit_result({**head, **result}, args.json)
+        finally:
+            engine.shutdown()  # worker processes, before the next engine starts its own
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return 0
 
 

@@ -59,6 +59,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--capture-sizes", type=_int_list, default=None, help="comma-separated graph sizes"
     )
     group.add_argument(
+        "--async-scheduling",
+        default="auto",
+        help="schedule and launch the next step while the device runs this one: 'auto' (on "
+        "for one CUDA process without speculative decoding), 'on' or 'off' (default auto)",
+    )
+    group.add_argument(
         "--pp-layer-partition",
         type=_int_list,
         default=None,
@@ -85,9 +91,18 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         enable_lora=args.enable_lora,
         capture_sizes=args.capture_sizes,
         pp_layer_partition=args.pp_layer_partition,
+        async_scheduling=async_scheduling(args.async_scheduling),
     )
     kwargs.update(overrides)
     return EngineConfig(**kwargs)
+
+
+def async_scheduling(text: str) -> bool | None:
+    """--async-scheduling auto|on|off as EngineConfig.async_scheduling."""
+    choices = {"auto": None, "on": True, "off": False}
+    if text not in choices:
+        raise ValueError(f"--async-scheduling takes 'auto', 'on' or 'off', got {text!r}")
+    return choices[text]
 
 
 # ---- commands --------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4  # adapters one step may use (the adapter slots every rank holds)
     max_lora_rank: int = 64
+    # schedule and launch the next step while the device runs this one; None: on wherever it
+    # works (CUDA, one process)
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -123,6 +126,25 @@ class EngineConfig:
                 f"distributed_timeout must be positive seconds, got {self.distributed_timeout}"
             )
         self._check_speculation()
+        self._resolve_async_scheduling()
+
+    def _resolve_async_scheduling(self) -> None:
+        blockers = [
+            why
+            for why, applies in (
+                ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+            )
+            if applies
+        ]
+        if self.async_scheduling is None:
+            self.async_scheduling = self.is_cuda and not blockers
+        elif self.async_scheduling and blockers:
+            raise ValueError(
+                f"async_scheduling does not work with {' or '.join(blockers)} yet: the ranks "
+                "other than the sampling one would need each step's sampled tokens; drop "
+                "async_scheduling (--async-scheduling off)"
+            )
 
     def _check_speculation(self) -> None:
         k = self.num_speculative_tokens

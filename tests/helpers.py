@@ -140,3 +140,16 @@ def make_peft_adapter(
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     peft_model.save_pretrained(path)
     return Path(path)
+
+
+def overlapped_submits(llm) -> list[int]:
+    """Record, for every submitted step of llm (an LLM), how many steps were already in flight."""
+    engine, seen = llm.engine, []
+    submit = engine.executor.submit
+
+    def counting(step):
+        seen.append(len(engine.in_flight))
+        return submit(step)
+
+    engine.executor.submit = counting
+    return seen

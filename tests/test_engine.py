@@ -213,7 +213,7 @@ def test_a_failing_step_leaves_no_request_behind(llm, monkeypatch):
     def boom(step):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(llm.engine.runner, "run", boom)
+    monkeypatch.setattr(llm.engine.runner, "launch", boom)
     with pytest.raises(RuntimeError, match="fell over"):
         llm.generate(["a", "b"], SamplingParams(max_tokens=3))
     monkeypatch.undo()

@@ -35,7 +35,7 @@ class BlockManager:
         return len(self.free_queue)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        total = seq.num_computed_tokens + num_new_tokens
+        total = seq.num_scheduled_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_ids))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -140,23 +140,29 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Submit batches until every pipeline stage has one, then finish the oldest."""
+        """Submit batches until every pipeline stage has one (with async scheduling: until the
+        next batch is launched behind the one the device runs), then finish the oldest."""
         while len(self.in_flight) < self.executor.max_in_flight:
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            step = self.runner.build_step(batch, self.lora)
-            self.in_flight.append((batch, step, self.executor.submit(step)))
+            previous = self.in_flight[-1][1] if self.in_flight else None
+            step = self.runner.build_step(batch, self.lora, previous)
+            try:
+                pending = self.executor.submit(step)
+            except BaseException:
+                self._drop_in_flight([(batch, step, None)])
+                raise
+            self.in_flight.append((batch, step, pending))
         if not self.in_flight:
             return []
-        batch, step, pending = self.in_flight.popleft()
+        batch, step, pending = self.in_flight[0]
         try:
             sampled = pending.result()
         except BaseException:
-            self.scheduler.complete(batch, ran=False)
-            if self.lora is not None:
-                self.lora.forget(step.lora_loads)
+            self._drop_in_flight([])  # later steps read this one's tokens
             raise
+        self.in_flight.popleft()
         outputs: list[RequestOutput] = []
         accepted: dict[str, int] = {}
         try:
@@ -166,7 +172,7 @@ class LLMEngine:
                     step.sampling, sampled.token_ids, sampled.logprobs, strict=True
                 ):
                     seq = seqs[row.request_id]
-                    if seq.status is SequenceStatus.FINISHED:  # aborted while in flight
+                    if seq.status is SequenceStatus.FINISHED:  # ended while in flight
                         continue
                     if row.draft_token_ids:
                         accepted[row.request_id] = len(tokens) - 1
@@ -176,6 +182,14 @@ class LLMEngine:
         finally:  # after the tokens are appended: the prefix cache hashes them
             self.scheduler.complete(batch, accepted)
         return outputs
+
+    def _drop_in_flight(self, also: list) -> None:
+        """A step failed: every batch in flight (and `also`) leaves flight without having run."""
+        for batch, step, _ in [*self.in_flight, *also]:
+            self.scheduler.complete(batch, ran=False)
+            if self.lora is not None:
+                self.lora.forget(step.lora_loads)
+        self.in_flight.clear()
 
     def _append_tokens(
         self, seq: Sequence, tokens: list[int], logprobs: list[dict] | None

@@ -17,11 +17,18 @@ its share of the unfinished requests, so the stages get batches of similar size.
 With speculative decoding a decode also verifies draft tokens: it computes its last token and
 the drafts (blocks are allocated for them), and on completion only the accepted drafts count
 as computed; the KV of rejected ones is overwritten by later steps.
+
+With async scheduling the next batch is scheduled while the last one runs on the device: a
+request in flight takes the next batch too (its next prefill chunk, or a decode of the token
+its batch in flight samples, which the device fills in), unless that token certainly ends it
+(max_tokens, max_model_len), or it verifies drafts (how many stand is not known yet). A request
+that a stop token or string ends meanwhile has one token computed in vain. Requests in flight
+are never preempted.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,13 +40,25 @@ from ostinato.spec import make_proposer
 
 @dataclass
 class ScheduledBatch:
+    """Requests and how many tokens of each run this step. `starts` (where each request's
+    tokens begin) and `sampled` (whether its tokens reach its end, so it samples) are read off
+    the requests when the batch is made, before it is in flight."""
+
     seqs: list[Sequence]
     query_lens: list[int]  # tokens of each sequence computed this step, drafts included
     drafts: list[list[int]] = field(default_factory=list)  # per sequence; empty: none at all
+    starts: list[int] = field(init=False)
+    sampled: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.drafts:
             self.drafts = [[] for _ in self.seqs]
+        self.starts = [s.num_scheduled_tokens for s in self.seqs]
+        self.sampled = [
+            start + n - len(d) == len(s) + s.num_pending_tokens
+            for s, start, n, d in zip(self.seqs, self.starts, self.query_lens, self.drafts,
+                                      strict=True)
+        ]  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
@@ -51,8 +70,8 @@ class ScheduledBatch:
         (a uniform decode batch)."""
         q = self.query_lens[0]
         is_decode = all(
-            n == q and n == 1 + len(d) and s.num_computed_tokens + 1 == len(s)
-            for s, n, d in zip(self.seqs, self.query_lens, self.drafts, strict=True)
+            n == q and n == 1 + len(d) and sampled
+            for n, d, sampled in zip(self.query_lens, self.drafts, self.sampled, strict=True)
         )
         return q if is_decode else None
 
@@ -66,7 +85,9 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.in_flight: set[Sequence] = set()
+        self.in_flight: Counter[Sequence] = Counter()  # batches in flight per request
+        self.async_scheduling = config.async_scheduling
+        self._verifying: set[Sequence] = set()  # requests whose batch in flight has drafts
         self.num_preemptions = 0
         self.proposer = make_proposer(config)
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -88,10 +109,12 @@ class Scheduler:
         self._scheduled, self._drafts = {}, {}
         self._adapters = set()
         cap = -(-(len(self.running) + len(self.waiting)) // self.num_microbatches)
-        ready = [s for s in self.running if s not in self.in_flight]
+        ready = [s for s in self.running if not self.in_flight[s] or self._may_continue(s)]
         decodes = [s for s in ready if s.num_uncomputed_tokens == 1]
         prefills = [s for s in ready if s.num_uncomputed_tokens > 1]
         drafts = self._propose(decodes[:cap])
+        if drafts is None:  # speculation needs the tokens in flight first
+            return None
         for seq in decodes + prefills:
             if self._budget == 0 or len(self._scheduled) == cap:
                 break
@@ -113,23 +136,48 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         if not self._scheduled:
             return None
-        self.in_flight.update(self._scheduled)
         seqs = list(self._scheduled)
         drafts = [self._drafts.get(s, []) for s in seqs] if self._drafts else []
-        return ScheduledBatch(seqs, list(self._scheduled.values()), drafts)
+        batch = ScheduledBatch(seqs, list(self._scheduled.values()), drafts)
+        for seq, n, sampled in zip(seqs, batch.query_lens, batch.sampled, strict=True):
+            self.in_flight[seq] += 1
+            seq.num_in_flight_tokens += n
+            seq.num_pending_tokens += sampled
+        self._verifying.update(self._drafts)
+        return batch
 
-    def _propose(self, decodes: list[Sequence]) -> dict[Sequence, list[int]]:
+    def _may_continue(self, seq: Sequence) -> bool:
+        """With async scheduling: whether a request in one batch in flight may take the next
+        batch too; not when that batch verifies drafts of it (how many stand is unknown), nor
+        when the token in flight could end it by length."""
+        pending = seq.num_pending_tokens
+        return (
+            self.async_scheduling
+            and self.in_flight[seq] == 1
+            and seq not in self._verifying
+            and seq.num_output_tokens + pending < seq.params.max_tokens
+            and len(seq) + pending < self.max_model_len
+        )
+
+    def _propose(self, decodes: list[Sequence]) -> dict[Sequence, list[int]] | None:
         """Draft tokens of the decodes. When at least half of them have a proposal, every one
         verifies k drafts, those without one the last token repeated: the batch stays a uniform
         decode batch (a FULL graph of q = 1 + k), and a padded draft is verified like any other.
         Otherwise none speculates (a plain decode step): a lone chance match would make the
         whole batch verify k drafts that are mostly padding. Drafts never reach past
-        max_model_len."""
+        max_model_len.
+
+        With async scheduling a decode in flight proposes from its context without the token
+        in flight. If the batch would speculate even so, None: wait for that token and draft
+        from the whole context; else the batch runs plain, launched behind the one in flight
+        (so text that repeats nothing decodes at async speed)."""
         if self.proposer is None:
             return {}
         proposals = {seq: self.proposer.propose(seq) for seq in decodes}
         if 2 * sum(1 for draft in proposals.values() if draft) < len(proposals):
             return {}
+        if any(self.in_flight[seq] for seq in decodes):
+            return None
         k = self.num_speculative_tokens
         return {
             seq: (draft or [seq.token_ids[-1]] * k)[: self.max_model_len - len(seq)]
@@ -143,8 +191,15 @@ class Scheduler:
         drafts only the accepted[request_id] first ones count (their tokens were appended);
         requests that ended while it was in flight are skipped (their blocks are gone)."""
         accepted = accepted or {}
-        for seq, n, drafts in zip(batch.seqs, batch.query_lens, batch.drafts, strict=True):
-            self.in_flight.discard(seq)
+        for seq, n, drafts, sampled in zip(
+            batch.seqs, batch.query_lens, batch.drafts, batch.sampled, strict=True
+        ):
+            self.in_flight[seq] -= 1
+            if not self.in_flight[seq]:
+                del self.in_flight[seq]
+                self._verifying.discard(seq)
+            seq.num_in_flight_tokens -= n
+            seq.num_pending_tokens -= sampled
             if ran and seq.status is SequenceStatus.RUNNING:
                 kept = accepted.get(seq.request_id, 0) if drafts else 0
                 seq.num_computed_tokens += n - len(drafts) + kept
@@ -159,7 +214,9 @@ class Scheduler:
         if not self.block_manager.can_allocate(seq, n + len(drafts)):
             drafts = []  # drafts are a bet: never preempt a request for their blocks
         while not self.block_manager.can_allocate(seq, n + len(drafts)):
-            victim = next(s for s in reversed(self.running) if s not in self.in_flight)
+            victim = next((s for s in reversed(self.running) if not self.in_flight[s]), None)
+            if victim is None:  # every candidate is in flight: seq waits for a later step
+                return
             self._preempt(victim)
             if victim is seq:
                 return

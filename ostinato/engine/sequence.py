@@ -31,6 +31,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # Async scheduling runs a request's next batch while its last one is in flight: the
+        # tokens those batches compute, and the tokens they sample (not yet appended).
+        self.num_in_flight_tokens = 0
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.block_ids: list[int] = []
         self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
@@ -49,8 +53,14 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed or being computed: where the next batch starts."""
+        return self.num_computed_tokens + self.num_in_flight_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens no batch has computed or is computing (an in-flight sample counts as one)."""
+        return len(self.token_ids) + self.num_pending_tokens - self.num_scheduled_tokens
 
     def reset_for_recompute(self) -> None:
         """Preempted: its blocks are gone, so every token is computed again on resume."""

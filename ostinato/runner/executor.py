@@ -4,7 +4,6 @@ split over worker processes (ostinato.distributed)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Protocol
 
 from ostinato.config import EngineConfig
@@ -37,18 +36,21 @@ class Deferred:
 
 
 class LocalExecutor:
-    """The whole model in this process: a step runs when its result is asked for."""
+    """The whole model in this process: a step is launched when it is submitted. With async
+    scheduling two steps are in flight: the engine builds and launches the next one while the
+    device runs the last."""
 
-    max_in_flight = 1
     failed = None
 
     def __init__(self, config: EngineConfig, hf_config) -> None:
         self.runner = ModelRunner(config, hf_config)
         self.runner.start()
         self.num_blocks = self.runner.num_blocks
+        self.max_in_flight = 2 if config.async_scheduling else 1
 
     def submit(self, step: StepInput) -> Deferred:
-        return Deferred(partial(self.runner.run, step))
+        sampled = self.runner.launch(step)
+        return Deferred(lambda: sampled.result() if sampled is not None else None)
 
     def graph_report(self) -> dict:
         return self.runner.graph_report()

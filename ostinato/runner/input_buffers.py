@@ -20,6 +20,9 @@ _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_bloc
     "seq_lens": (torch.int32, lambda t, r, b: (r,)),
     "block_table": (torch.int32, lambda t, r, b: (r, b)),
     "logits_indices": (torch.int64, lambda t, r, b: (t,)),  # a row per token at most (drafts)
+    # async scheduling: input tokens the step in flight samples, and their rows of its samples
+    "placeholder_tokens": (torch.int64, lambda t, r, b: (r,)),
+    "placeholder_rows": (torch.int64, lambda t, r, b: (r,)),
 }
 # with LoRA: tokens grouped by adapter, and each group's slot, start and count (LoRAMetadata)
 _LORA_FIELDS = ("lora_tokens", "lora_slots", "lora_starts", "lora_counts")
@@ -87,6 +90,19 @@ class InputBuffers:
             self._load_lora(step)
         if self.copied is not None:
             self.copied.record()
+
+    def fill_placeholders(self, step: StepInput, sampled: torch.Tensor) -> None:
+        """Copy the tokens the step before sampled (`sampled`, one per logits row, on the
+        device) into step's placeholder input tokens, without waiting for them."""
+        h, d, host = self.host_np, self.device, self.host
+        n = len(step.placeholder_tokens)
+        for name in ("placeholder_tokens", "placeholder_rows"):
+            h[name][:n] = getattr(step, name)
+            d[name][:n].copy_(host[name][:n], True)
+        if self.copied is not None:  # these copies read the mirror too
+            self.copied.record()
+        rows, tokens = d["placeholder_rows"][:n], d["placeholder_tokens"][:n]
+        d["input_ids"].index_copy_(0, tokens, sampled.index_select(0, rows))
 
     def _load_lora(self, step: StepInput) -> None:
         """Group the step's tokens by adapter slot; groups past the step's own (the graph key

@@ -26,7 +26,7 @@ from ostinato.lora.slots import AdapterSlots
 from ostinato.models.base import IntermediateTensors
 from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
-from ostinato.runner.sampler import Sampler, SamplerOutput
+from ostinato.runner.sampler import SampledTokens, Sampler, SamplerOutput
 from ostinato.runner.step import StepInput, build_step, dummy_step
 
 logger = logging.getLogger("ostinato")
@@ -89,6 +89,7 @@ class ModelRunner:
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
         self.sampler = Sampler()
+        self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
         self.graphs = GraphRunner(config)
         self.kv_caches: list = []
         self.num_graph_checks = 0
@@ -186,16 +187,25 @@ class ModelRunner:
         self,
         batch: ScheduledBatch,
         lora: AdapterSlots | None = None,
+        previous: StepInput | None = None,
     ) -> StepInput:
-        """The driver's half: the batch as arrays, with its adapter slots and graph decision."""
-        return build_step(batch, self.block_size, self.graphs.dispatch, lora)
+        """The driver's half: the batch as arrays, with its adapter slots and graph decision
+        (`previous`: the step in flight, which samples the tokens batch does not know yet)."""
+        return build_step(batch, self.block_size, self.graphs.dispatch, lora, previous)
 
     def run(self, step: StepInput) -> SamplerOutput | None:
         """Every rank's half. Returns the sampled tokens on the sampling rank (the last stage's
         first tensor rank) when some request reached its last token; None elsewhere."""
+        sampled = self.launch(step)
+        return sampled.result() if sampled is not None else None
+
+    def launch(self, step: StepInput) -> SampledTokens | None:
+        """run() without waiting for the device: the samples are still on their way."""
         for load in step.lora_loads:  # this rank's layers of each adapter, into fixed slots
             self.lora.load(load.slot, load.path)
         self.buffers.load(step)
+        if step.placeholder_tokens is not None:
+            self.buffers.fill_placeholders(step, self.last_sampled.tokens)
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
         if self.intermediate is not None:
             self.link.recv(self._intermediate(num_tokens))
@@ -214,7 +224,8 @@ class ModelRunner:
         logits = self._logits(out, len(step.logits_indices))
         if tp_group().rank != 0:
             return None
-        return self.sampler(logits, step.sampling)
+        self.last_sampled = self.sampler.launch(logits, step.sampling)
+        return self.last_sampled
 
     def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_rows]])

@@ -8,13 +8,71 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.runner.step import SamplingRow
-from ostinato.spec.rejection import accepted_prefix, rejection_sample
+from ostinato.spec.rejection import accepted_prefix, race
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[list[int]]  # per sampling row: its accepted drafts, then one sampled token
     logprobs: list[list[dict[int, float]] | None]  # per sampling row, one entry per token
+
+
+class SampledTokens:
+    """One step's samples on their way to the host. `tokens` (the sampled token of every logits
+    row) stays on the device, where async scheduling's next step reads the tokens it could not
+    know yet; result() waits for the copies to the host and builds the per-request lists."""
+
+    def __init__(
+        self,
+        rows: list[SamplingRow],
+        tokens: torch.Tensor,
+        logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        self.rows, self.tokens = rows, tokens
+        self._logprob_rows = logprobs[0] if logprobs is not None else []
+        device_tensors = (tokens, *logprobs[1:]) if logprobs is not None else (tokens,)
+        self._host = [t.to("cpu", non_blocking=True) for t in device_tensors]
+        self._copied = None
+        if tokens.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens = self._host[0].tolist()
+        drafts = [t for row in self.rows for t in (*row.draft_token_ids, -1)]
+        out_tokens, picked, start = [], [], 0
+        for row in self.rows:
+            a = accepted_prefix(tokens, drafts, start, len(row.draft_token_ids))
+            out_tokens.append(tokens[start : start + a + 1])  # accepted drafts are their samples
+            picked.append(range(start, start + a + 1))
+            start += 1 + len(row.draft_token_ids)
+        return SamplerOutput(out_tokens, self._logprobs(tokens, picked))
+
+    def _logprobs(
+        self, tokens: list[int], picked: list[range]
+    ) -> list[list[dict[int, float]] | None]:
+        """Top-N logprobs (N = the row's params.logprobs) and the chosen token's, from the
+        logits row that produced each output token."""
+        if not self._logprob_rows:
+            return [None] * len(self.rows)
+        where = {row: i for i, row in enumerate(self._logprob_rows)}
+        top_ids, top_vals, chosen = (t.tolist() for t in self._host[1:])
+        out: list[list[dict[int, float]] | None] = []
+        for row, rows in zip(self.rows, picked, strict=True):
+            n = row.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            entries = []
+            for j in rows:
+                k = where[j]
+                entry = dict(zip(top_ids[k][:n], top_vals[k][:n], strict=True))
+                entry[tokens[j]] = chosen[k]
+                entries.append(entry)
+            out.append(entries)
+        return out
 
 
 class Sampler:
@@ -26,89 +84,46 @@ class Sampler:
     stands when the position's sample equals it; see spec/rejection.py)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [sum of 1 + len(row.draft_token_ids), vocab]: each row's logits rows in
-        order (see SamplingRow)."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        """Sample on the device without waiting for it. logits [sum of 1 +
+        len(row.draft_token_ids), vocab]: each row's logits rows in order (see SamplingRow);
+        every logits row gets a sample, and a draft stands when its row sampled it."""
         logits = logits.float()
         owners = [row for row in rows for _ in range(1 + len(row.draft_token_ids))]
-        speculating = any(row.draft_token_ids for row in rows)
-        drafts = [t for row in rows for t in (*row.draft_token_ids, -1)] if speculating else []
-        if all(row.params.greedy for row in rows):  # verified on the host: no more GPU work
-            token_list = logits.argmax(dim=-1).tolist()
-            accepted_list = (
-                [d == t for d, t in zip(drafts, token_list, strict=True)] if drafts else []
-            )
+        if all(row.params.greedy for row in rows):
+            tokens = logits.argmax(dim=-1)
         else:
-            tokens, accepted = self._sample(logits, owners, drafts)
-            if accepted is None:
-                token_list, accepted_list = tokens.tolist(), []
-            else:  # one device-to-host copy
-                token_list, accepted_list = torch.stack((tokens, accepted.long())).tolist()
-        out_tokens, out_rows, start = [], [], 0
-        for row in rows:
-            a = accepted_prefix(accepted_list, start, len(row.draft_token_ids))
-            out_tokens.append([*row.draft_token_ids[:a], token_list[start + a]])
-            out_rows.append(range(start, start + a + 1))
-            start += 1 + len(row.draft_token_ids)
-        return SamplerOutput(out_tokens, self._logprobs(logits, rows, out_tokens, out_rows))
+            tokens = self._sample(logits, owners)
+        return SampledTokens(rows, tokens, self._logprobs(logits, owners, tokens))
 
-    def _sample(
-        self, logits: torch.Tensor, owners: list[SamplingRow], draft_list: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sampled tokens per logits row (owners[i] owns row i), and with drafts (one per
-        row, -1 for none) whether each row's draft stands (rejection sampling)."""
+    def _sample(self, logits: torch.Tensor, owners: list[SamplingRow]) -> torch.Tensor:
+        """The sampled token of every logits row (owners[i] owns row i)."""
         device = logits.device
-        drafts = torch.tensor(draft_list, device=device) if draft_list else None
         temps = [1.0 if s.params.greedy else s.params.temperature for s in owners]
-        scaled = logits / torch.tensor(temps, device=device)[:, None]
+        scaled = logits / _on(device, temps)[:, None]
         if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in owners):
             scaled = _top_k_top_p(scaled, owners)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(scaled).exponential_()
         _seeded_noise(owners, noise)
-        greedy = torch.tensor([s.params.greedy for s in owners], device=device)
-        argmax = logits.argmax(dim=-1)
-        if drafts is None:
-            return torch.where(greedy, argmax, (probs / noise).argmax(dim=-1)), None
-        sampled, accepted = rejection_sample(probs, drafts, noise)
-        return (
-            torch.where(greedy, argmax, sampled),
-            torch.where(greedy, drafts == argmax, accepted),
-        )
+        greedy = _on(device, [s.params.greedy for s in owners])
+        return torch.where(greedy, logits.argmax(dim=-1), race(scaled.softmax(dim=-1), noise))
 
     def _logprobs(
-        self,
-        logits: torch.Tensor,
-        rows: list[SamplingRow],
-        tokens: list[list[int]],
-        picked: list[range],
-    ) -> list[list[dict[int, float]] | None]:
-        """Top-N logprobs (N = the row's params.logprobs) and the chosen token's, from the
-        logits row that produced each output token."""
-        wanted = [row.params.logprobs for row in rows]
-        if all(n is None for n in wanted):
-            return [None] * len(rows)
-        index = [i for r in picked for i in r]
-        flat = [t for ts in tokens for t in ts]
-        device = logits.device
-        logprobs = logits[torch.tensor(index, device=device)].log_softmax(dim=-1)
-        top = logprobs.topk(max(n or 0 for n in wanted) or 1, dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(flat, device=device)[:, None])
-        top_ids, top_vals, chosen = top.indices.tolist(), top.values.tolist(), chosen.tolist()
-        out: list[list[dict[int, float]] | None] = []
-        k = 0
-        for n, ts in zip(wanted, tokens, strict=True):
-            if n is None:
-                out.append(None)
-                k += len(ts)
-                continue
-            entries = []
-            for t in ts:
-                entry = dict(zip(top_ids[k][:n], top_vals[k][:n], strict=True))
-                entry[t] = chosen[k][0]
-                entries.append(entry)
-                k += 1
-            out.append(entries)
-        return out
+        self, logits: torch.Tensor, owners: list[SamplingRow], tokens: torch.Tensor
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For the logits rows of requests that want logprobs: their top-N (N the largest
+        asked) ids and logprobs, and each row's sampled token's logprob."""
+        index = [i for i, s in enumerate(owners) if s.params.logprobs is not None]
+        if not index:
+            return None
+        n = max(max(owners[i].params.logprobs for i in index), 1)
+        rows = _on(logits.device, index)
+        logprobs = logits[rows].log_softmax(dim=-1)
+        top = logprobs.topk(n, dim=-1)
+        chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0]
+        return index, top.indices, top.values, chosen
 
 
 def _seeded_noise(owners: list[SamplingRow], noise: torch.Tensor) -> None:
@@ -121,7 +136,7 @@ def _seeded_noise(owners: list[SamplingRow], noise: torch.Tensor) -> None:
         if row.params.seed is not None:
             draws = [_position_noise(row.params.seed, row.position + j, noise.shape[1])
                      for j in range(width)]  # fmt: skip
-            noise[start : start + width] = torch.stack(draws).to(noise.device)
+            noise[start : start + width] = _on(noise.device, torch.stack(draws))
         start += width
 
 
@@ -134,13 +149,22 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     device = logits.device
     vocab = logits.shape[1]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=device)
+    top_k = _on(device, [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs])
+    top_p = _on(device, [s.params.top_p for s in seqs])
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]
-    drop = ranks >= top_k.to(device)[:, None]
+    drop = ranks >= top_k[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Drop a token when the tokens ranked above it already cover top_p.
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _on(device: torch.device, values: list | torch.Tensor) -> torch.Tensor:
+    """values on `device` without waiting for the device: a copy from pageable host memory
+    waits for the stream to drain, which would stall async scheduling's overlap."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

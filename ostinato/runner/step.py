@@ -37,6 +37,11 @@ class StepInput:
     per sampling row and draft token], lora_slots [num_reqs] (each request's adapter slot, -1
     for none; None when no request uses an adapter). lora_loads: adapters every rank copies
     into their slots (its own layers' share) before running the step.
+
+    With async scheduling some input tokens are not known when the step is built: the step
+    before it, still in flight, samples them. input_ids holds 0 there; the runner copies
+    the previous step's sampled token of logits row placeholder_rows[i] into input token
+    placeholder_tokens[i] on the device.
     """
 
     mode: CudaGraphMode
@@ -51,6 +56,8 @@ class StepInput:
     sampling: list[SamplingRow]
     lora_slots: np.ndarray | None = None
     lora_loads: tuple[LoRALoad, ...] = ()
+    placeholder_tokens: np.ndarray | None = None
+    placeholder_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,26 +82,30 @@ def build_step(
     block_size: int,
     dispatch: Dispatch,
     lora: AdapterSlots | None = None,
+    previous: StepInput | None = None,
 ) -> StepInput:
     """Token-level arrays of `batch`, vectorised over tokens, its adapter slots (assigned by
     `lora`) and its graph decision. A request's draft tokens follow its last token; each
-    sampling request gets a logits row for its last token and one per draft."""
+    sampling request gets a logits row for its last token and one per draft. A token that
+    `previous` (the step in flight) samples becomes a placeholder."""
     seqs, drafts, n = batch.seqs, batch.drafts, len(batch.seqs)
     lora_slots, lora_loads, num_loras = None, (), 0
     if lora is not None and any(s.lora_name is not None for s in seqs):
         lora_slots, lora_loads = lora.assign([s.lora_name for s in seqs])
         num_loras = len(np.unique(lora_slots[lora_slots >= 0]))
     mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len, num_loras)
-    starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
+    starts = np.asarray(batch.starts, dtype=np.int64)
     num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n)
     q = np.asarray(batch.query_lens, dtype=np.int64)
     ends = starts + q
     query_start_loc = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(q, out=query_start_loc[1:])
+    token_ends = ends - num_drafts
+    known_ends = np.minimum(token_ends, [len(s.token_ids) for s in seqs])
     input_ids = np.fromiter(
-        (t for s, d, a, b in zip(seqs, drafts, starts.tolist(), (ends - num_drafts).tolist(),
-                                 strict=True)
-         for t in (s.token_ids[a:b] + d if d else s.token_ids[a:b])),
+        (t for s, d, a, b, unknown in zip(seqs, drafts, starts.tolist(), known_ends.tolist(),
+                                          (token_ends - known_ends).tolist(), strict=True)
+         for t in (s.token_ids[a:b] + [0] * unknown + d)),
         np.int64,
         batch.num_tokens,
     )  # fmt: skip
@@ -107,11 +118,8 @@ def build_step(
         block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    sampled = np.asarray(
-        [i for i, (s, end) in enumerate(zip(seqs, (ends - num_drafts).tolist(), strict=True))
-         if end == len(s)],
-        dtype=np.int64,
-    )  # fmt: skip
+    sampled = np.flatnonzero(batch.sampled)
+    placeholders = np.flatnonzero(token_ends > known_ends)
     return StepInput(
         mode=mode,
         desc=desc,
@@ -123,12 +131,28 @@ def build_step(
         block_table=block_table,
         logits_indices=_logits_rows(query_start_loc[sampled + 1], 1 + num_drafts[sampled]),
         sampling=[
-            SamplingRow(seqs[i].request_id, seqs[i].params, len(seqs[i]), tuple(drafts[i]))
+            SamplingRow(seqs[i].request_id, seqs[i].params, int(token_ends[i]), tuple(drafts[i]))
             for i in sampled.tolist()
         ],
         lora_slots=lora_slots,
         lora_loads=lora_loads,
-    )
+        placeholder_tokens=(query_start_loc[placeholders] + known_ends[placeholders]
+                            - starts[placeholders]) if placeholders.size else None,
+        placeholder_rows=_sampled_rows(previous, [seqs[i] for i in placeholders.tolist()])
+        if placeholders.size else None,
+    )  # fmt: skip
+
+
+def _sampled_rows(previous: StepInput | None, seqs: list) -> np.ndarray:
+    """The logits row of `previous` whose sample is each request's next token (its last: a
+    request whose token is still unknown had no drafts in flight)."""
+    if previous is None:
+        raise ValueError("a step with tokens still being sampled needs the step in flight")
+    last_row, row = {}, -1
+    for sampling in previous.sampling:
+        row += 1 + len(sampling.draft_token_ids)
+        last_row[sampling.request_id] = row
+    return np.asarray([last_row[s.request_id] for s in seqs], dtype=np.int64)
 
 
 def _logits_rows(ends: np.ndarray, widths: np.ndarray) -> np.ndarray:

@@ -15,24 +15,18 @@ from __future__ import annotations
 import torch
 
 
-def rejection_sample(
-    probs: torch.Tensor, drafts: torch.Tensor, noise: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs [rows, vocab]: target distributions; drafts [rows]: the token each row verifies,
-    -1 for a row with none (it only samples); noise [rows, vocab]: Exp(1) draws.
-
-    Returns (token, accepted) per row: token is the row's sample (an exponential race:
-    argmax(p / E) with E ~ Exp(1) is distributed as p); accepted says the draft stands, which
-    is when the sample is the draft.
-    """
-    tokens = (probs / noise).argmax(dim=-1)
-    return tokens, tokens == drafts
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab]: target distributions; noise [rows, vocab]: Exp(1) draws. Each row's
+    sample by an exponential race: argmax(p / E) with E ~ Exp(1) is distributed as p. A row's
+    draft stands exactly when its sample is the draft (see accepted_prefix)."""
+    return (probs / noise).argmax(dim=-1)
 
 
-def accepted_prefix(accepted: list[bool], start: int, num_drafts: int) -> int:
-    """How many of the drafts in rows start .. start + num_drafts - 1 stand: they count up to
-    the first rejection (the tokens after it were drafted from a wrong context)."""
+def accepted_prefix(tokens: list[int], drafts: list[int], start: int, num_drafts: int) -> int:
+    """How many of the drafts in rows start .. start + num_drafts - 1 stand (a draft stands
+    when its row sampled it): they count up to the first rejection (the tokens after it were
+    drafted from a wrong context)."""
     a = 0
-    while a < num_drafts and accepted[start + a]:
+    while a < num_drafts and tokens[start + a] == drafts[start + a]:
         a += 1
     return a
