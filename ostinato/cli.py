@@ -91,9 +91,10 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         enable_lora=args.enable_lora,
         capture_sizes=args.capture_sizes,
         pp_layer_partition=args.pp_layer_partition,
-        async_scheduling=async_scheduling(args.async_scheduling),
     )
     kwargs.update(overrides)
+    if "async_scheduling" not in overrides:  # bench passes each value of its list
+        kwargs["async_scheduling"] = async_scheduling(args.async_scheduling)
     return EngineConfig(**kwargs)
 
 

@@ -36,6 +36,15 @@ def test_cli_bench_json_lines(capsys):
         assert 0 < r["ttft_after_start_s"] < r["first_request_s"]
 
 
+def test_latency_with_async_scheduling_on_and_off(capsys):
+    argv = ["bench", "latency", "--device", "cpu", "--json", "--output-len", "3", "--iters", "1"]
+    assert main([*argv, "--async-scheduling", "on,off"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["async_scheduling"] for r in lines] == [True, False]
+    assert main([*argv, "--async-scheduling", "on,sometimes"]) == 2
+    assert "'auto', 'on' or 'off'" in capsys.readouterr().err
+
+
 def test_bad_batch_sizes_exit_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "latency", "--batch-size", "0,4", "--device", "cpu"])
