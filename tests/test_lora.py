@@ -102,15 +102,17 @@ def record_steps(llm: LLM) -> list:
     return steps
 
 
-@pytest.mark.parametrize("max_loras", [2, 1])
-def test_mixed_batch_equals_each_request_alone(models, max_loras):
+@pytest.mark.parametrize(("max_loras", "overlap"), [(2, False), (1, False), (1, True)])
+def test_mixed_batch_equals_each_request_alone(models, max_loras, overlap):
     """Base requests and two adapters in one batch; with one slot the adapters take turns in
-    it, and batches hold one adapter each."""
+    it, and batches hold one adapter each. With async scheduling an adapter may be copied into
+    the slot while the step in flight still reads the one before (the copy waits on the
+    device)."""
     a = LoRARequest("a", str(models["llama_a"]))
     b = LoRARequest("b", str(models["llama_b"]))
     prompts = oracle_prompts(300, seed=5)
     loras = [None, a, b, None, a, b, a]
-    llm = lora_llm(models["llama"], max_loras=max_loras)
+    llm = lora_llm(models["llama"], max_loras=max_loras, async_scheduling=overlap)
     steps = record_steps(llm)
     mixed = tokens(llm, prompts, loras)
     assert max(s.desc.num_active_loras for s in steps) == max_loras
