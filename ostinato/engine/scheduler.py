@@ -127,9 +127,12 @@ class Scheduler:
         max_model_len."""
         if self.proposer is None:
             return {}
-        proposals = {seq: self.proposer.propose(seq) for seq in decodes}
-        if 2 * sum(1 for draft in proposals.values() if draft) < len(proposals):
-            return {}
+        proposals, misses = {}, 0
+        for seq in decodes:
+            draft = proposals[seq] = self.proposer.propose(seq)
+            misses += not draft
+            if 2 * misses > len(decodes):  # more than half have none: the rest need not be asked
+                return {}
         k = self.num_speculative_tokens
         return {
             seq: (draft or [seq.token_ids[-1]] * k)[: self.max_model_len - len(seq)]
