@@ -86,14 +86,16 @@ def build_step(
         num_loras = len(np.unique(lora_slots[lora_slots >= 0]))
     mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len, num_loras)
     starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-    num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n)
     q = np.asarray(batch.query_lens, dtype=np.int64)
     ends = starts + q
     query_start_loc = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(q, out=query_start_loc[1:])
+    speculating = any(drafts)
+    own_ends = ends.tolist()  # where each request's own tokens end; its drafts follow
+    if speculating:
+        own_ends = [end - len(d) for end, d in zip(own_ends, drafts, strict=True)]
     input_ids = np.fromiter(
-        (t for s, d, a, b in zip(seqs, drafts, starts.tolist(), (ends - num_drafts).tolist(),
-                                 strict=True)
+        (t for s, d, a, b in zip(seqs, drafts, starts.tolist(), own_ends, strict=True)
          for t in (s.token_ids[a:b] + d if d else s.token_ids[a:b])),
         np.int64,
         batch.num_tokens,
@@ -107,11 +109,14 @@ def build_step(
         block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    sampled = np.asarray(
-        [i for i, (s, end) in enumerate(zip(seqs, (ends - num_drafts).tolist(), strict=True))
-         if end == len(s)],
-        dtype=np.int64,
-    )  # fmt: skip
+    sampled = [i for i, (s, end) in enumerate(zip(seqs, own_ends, strict=True)) if end == len(s)]
+    # a sampling request's logits rows end with its tokens (its last draft, or its last token)
+    row_ends = query_start_loc[1:][sampled].astype(np.int64)
+    if speculating:
+        widths = np.array([1 + len(drafts[i]) for i in sampled], dtype=np.int64)
+        logits_indices = _logits_rows(row_ends, widths)
+    else:
+        logits_indices = row_ends - 1
     return StepInput(
         mode=mode,
         desc=desc,
@@ -121,10 +126,10 @@ def build_step(
         query_start_loc=query_start_loc,
         seq_lens=ends.astype(np.int32),
         block_table=block_table,
-        logits_indices=_logits_rows(query_start_loc[sampled + 1], 1 + num_drafts[sampled]),
+        logits_indices=logits_indices,
         sampling=[
             SamplingRow(seqs[i].request_id, seqs[i].params, len(seqs[i]), tuple(drafts[i]))
-            for i in sampled.tolist()
+            for i in sampled
         ],
         lora_slots=lora_slots,
         lora_loads=lora_loads,
@@ -134,7 +139,7 @@ def build_step(
 def _logits_rows(ends: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """The last widths[i] token rows before each ends[i], in order."""
     offsets = np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)
-    return np.repeat(ends.astype(np.int64) - widths, widths) + offsets
+    return np.repeat(ends - widths, widths) + offsets
 
 
 def dummy_step(
