@@ -4,8 +4,10 @@ chunked prefill and several requests; stops, lengths, logprobs, streaming and th
 exactly as without it."""
 
 import random
+from collections import Counter
 
 import pytest
+import spec_workloads as workloads
 from helpers import make_hf_checkpoint
 
 from ostinato import LLM, SamplingParams
@@ -177,6 +179,38 @@ def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(llam
     drafted = spec.stats()["spec_draft_tokens"]
     same(generate(spec, prompts, params), generate(base, prompts, params))
     assert spec.stats()["spec_draft_tokens"] > drafted
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("workload", ["mixed", "sampling"])
+def test_the_gpu_tests_workloads_accept_drafts_in_uniform_verify_batches(arch, workload, tmp_path):
+    """tests/gpu/test_spec_graphs.py's workloads on the CPU: decode batches mostly verify
+    1 + k tokens per request (there, they replay the FULL graphs of that query length), and
+    the greedy one accepts drafts. A scheduling rule that stopped speculating in them would
+    leave those GPU tests checking plain decoding; the margins allow for the GPU's greedy
+    tokens parting from these at a near tie."""
+    path = str(make_hf_checkpoint(arch, tmp_path))
+    llm = LLM(path, device="cpu", **workloads.ENGINE, **workloads.SPEC)
+    if workload == "mixed":
+        repeating = workloads.self_repeating_tokens(LLM(path, device="cpu", **workloads.ENGINE))
+        run = lambda: workloads.mixed_workload(llm, repeating)
+    else:
+        run = lambda: workloads.sampling_workload(llm)
+    batches = Counter()  # uniform decode batches by query length; None: the others
+    schedule = llm.engine.scheduler.schedule
+
+    def counting_schedule():
+        batch = schedule()
+        if batch is not None:
+            batches[batch.uniform_query_len] += 1
+        return batch
+
+    llm.engine.scheduler.schedule = counting_schedule
+    run()
+    verify = 1 + workloads.K
+    assert batches[verify] >= 10 and batches[verify] > 2 * batches[1], batches
+    if workload == "mixed":  # sampled tokens rarely equal the drafts
+        assert llm.stats()["spec_accepted_tokens"] >= 100, llm.stats()
 
 
 @pytest.mark.parametrize(

@@ -173,9 +173,12 @@ class Scheduler:
         (so text that repeats nothing decodes at async speed)."""
         if self.proposer is None:
             return {}
-        proposals = {seq: self.proposer.propose(seq) for seq in decodes}
-        if 2 * sum(1 for draft in proposals.values() if draft) < len(proposals):
-            return {}
+        proposals, misses = {}, 0
+        for seq in decodes:
+            draft = proposals[seq] = self.proposer.propose(seq)
+            misses += not draft
+            if 2 * misses > len(decodes):  # more than half have none: the rest need not be asked
+                return {}
         if any(self.in_flight[seq] for seq in decodes):
             return None
         k = self.num_speculative_tokens

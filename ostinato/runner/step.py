@@ -95,17 +95,18 @@ def build_step(
         num_loras = len(np.unique(lora_slots[lora_slots >= 0]))
     mode, desc = dispatch(batch.num_tokens, n, batch.uniform_query_len, num_loras)
     starts = np.asarray(batch.starts, dtype=np.int64)
-    num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n)
     q = np.asarray(batch.query_lens, dtype=np.int64)
     ends = starts + q
     query_start_loc = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(q, out=query_start_loc[1:])
-    token_ends = ends - num_drafts
+    speculating = any(drafts)
+    num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n) if speculating else 0
+    token_ends = ends - num_drafts  # where each request's own tokens end; its drafts follow
     known_ends = np.minimum(token_ends, [len(s.token_ids) for s in seqs])
     input_ids = np.fromiter(
         (t for s, d, a, b, unknown in zip(seqs, drafts, starts.tolist(), known_ends.tolist(),
                                           (token_ends - known_ends).tolist(), strict=True)
-         for t in (s.token_ids[a:b] + [0] * unknown + d)),
+         for t in (s.token_ids[a:b] + [0] * unknown + d if unknown or d else s.token_ids[a:b])),
         np.int64,
         batch.num_tokens,
     )  # fmt: skip
@@ -120,6 +121,12 @@ def build_step(
     )
     sampled = np.flatnonzero(batch.sampled)
     placeholders = np.flatnonzero(token_ends > known_ends)
+    # a sampling request's logits rows end with its tokens (its last draft, or its last token)
+    row_ends = query_start_loc[1:][sampled].astype(np.int64)
+    if speculating:
+        logits_indices = _logits_rows(row_ends, 1 + num_drafts[sampled])
+    else:
+        logits_indices = row_ends - 1
     return StepInput(
         mode=mode,
         desc=desc,
@@ -129,7 +136,7 @@ def build_step(
         query_start_loc=query_start_loc,
         seq_lens=ends.astype(np.int32),
         block_table=block_table,
-        logits_indices=_logits_rows(query_start_loc[sampled + 1], 1 + num_drafts[sampled]),
+        logits_indices=logits_indices,
         sampling=[
             SamplingRow(seqs[i].request_id, seqs[i].params, int(token_ends[i]), tuple(drafts[i]))
             for i in sampled.tolist()
@@ -158,7 +165,7 @@ def _sampled_rows(previous: StepInput | None, seqs: list) -> np.ndarray:
 def _logits_rows(ends: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """The last widths[i] token rows before each ends[i], in order."""
     offsets = np.arange(int(widths.sum())) - np.repeat(np.cumsum(widths) - widths, widths)
-    return np.repeat(ends.astype(np.int64) - widths, widths) + offsets
+    return np.repeat(ends - widths, widths) + offsets
 
 
 def dummy_step(

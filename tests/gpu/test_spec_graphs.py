@@ -6,13 +6,12 @@ import gc
 import pytest
 import torch
 from helpers import make_hf_checkpoint
+from spec_workloads import ENGINE, SPEC, K, mixed_workload, sampling_workload, self_repeating_tokens
 
 from ostinato import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-K = 3
-SPEC = {"speculative_method": "ngram", "num_speculative_tokens": K}
 MODES = ["none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
 
 
@@ -21,28 +20,26 @@ def checkpoint(request, tmp_path_factory):
     return make_hf_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.fixture(scope="module")
+def repeating(checkpoint):
+    """The checkpoint's self-repeating tokens, found on the GPU (see spec_workloads)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = engine(checkpoint, "none")
+    tokens = self_repeating_tokens(llm)
+    del llm
+    gc.collect()
+    return tokens
+
+
 def engine(checkpoint, mode: str, **kw) -> LLM:
-    kw = {"dtype": "float32", "max_num_batched_tokens": 128, "max_num_seqs": 16, **kw}
+    kw = {**ENGINE, **kw}
     kw.setdefault("gpu_memory_utilization", 0.25)
     return LLM(str(checkpoint), cuda_graph_mode=mode, max_capture_size=128, **kw)
 
 
-def workload(llm: LLM, vocab: int = 300) -> list[list[int]]:
-    """Prompts with repeated spans and random ones, long (chunked) and short, decode batches
-    of sizes that need padding; a vocabulary of 300 makes proposals frequent."""
-    g = torch.Generator().manual_seed(0)
-    ids = lambda n: torch.randint(2, vocab, (n,), generator=g).tolist()
-    span = ids(13)
-    prompts = [span * 9, ids(3), ids(40), span * 3, [7], ids(129), ids(11) * 2, ids(5), span]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
-        for i in range(len(prompts))
-    ]
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def test_every_mode_matches_eager_with_speculation(checkpoint):
+def test_every_mode_matches_eager_with_speculation(checkpoint, repeating):
     torch.backends.cuda.matmul.allow_tf32 = False
+    workload = lambda llm: mixed_workload(llm, repeating)
     reference = workload(engine(checkpoint, "none", **SPEC))
     assert reference == workload(engine(checkpoint, "none"))  # as decoding without drafts
     for mode in MODES[1:]:
@@ -58,10 +55,10 @@ def test_every_mode_matches_eager_with_speculation(checkpoint):
         gc.collect()
 
 
-def test_bfloat16_graph_checker_passes_with_speculation(checkpoint):
+def test_bfloat16_graph_checker_passes_with_speculation(checkpoint, repeating):
     for mode in MODES[1:]:
         llm = engine(checkpoint, mode, dtype="bfloat16", check_graphs=1, **SPEC)
-        workload(llm)  # raises if a graphed step's hidden states leave eager's
+        mixed_workload(llm, repeating)  # raises if a graphed step's hidden states leave eager's
         steps = llm.graph_report()["steps"]
         assert steps["none"] < sum(steps.values())
         del llm
@@ -70,16 +67,11 @@ def test_bfloat16_graph_checker_passes_with_speculation(checkpoint):
 
 def test_sampling_with_speculation_on_the_gpu(checkpoint):
     llm = engine(checkpoint, "full_and_piecewise", **SPEC)
-    prompt = list(range(2, 15)) * 6
-    params = [
-        SamplingParams(temperature=0.8, top_k=50, seed=i, max_tokens=20 + i) for i in range(6)
-    ]
-    first = llm.generate([prompt] * 6, params, use_tqdm=False)
-    again = llm.generate([prompt] * 6, params, use_tqdm=False)  # prefix-cached, batched anew
-    assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    plain = engine(checkpoint, "full_and_piecewise").generate([prompt] * 6, params, use_tqdm=False)
-    assert [o.token_ids for o in first] == [o.token_ids for o in plain]  # seeded draws by position
-    assert [len(o.token_ids) for o in first] == [20 + i for i in range(6)]
+    first = sampling_workload(llm)
+    assert sampling_workload(llm) == first  # prefix-cached, batched anew
+    plain = engine(checkpoint, "full_and_piecewise")
+    assert sampling_workload(plain) == first  # seeded draws by position
+    assert [len(tokens) for tokens in first] == [20 + i for i in range(6)]
     assert llm.stats()["spec_draft_tokens"] > 0
     assert llm.graph_report()["full_decode_steps"].get(str(1 + K), 0) > 0
 
