@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 stage=${1:-tests}
@@ -96,15 +96,19 @@ capture)
 serve)
   model=${2:?model}
   info | tee "$OUT/env.txt"
-  # the GPU image has no fastapi/uvicorn: wheels travel in .whl (WHEELS to point elsewhere)
+  # the GPU image has no fastapi/uvicorn: wheels travel in .whl (WHEELS to point elsewhere), or
+  # are unpacked beforehand into a directory on PYTHONPATH
   python3 -c "import fastapi, uvicorn" 2>/dev/null ||
     python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn || exit 1
   for mode in ${SERVE_MODES:-none piecewise full_and_piecewise}; do
-    # --logprobs 0: a chunk per token (a random preset's tokens have no text to stream)
-    python3 -m ostinato.cli bench serve --launch --model "$model" --cuda-graph-mode $mode \
-      --max-model-len 2048 --request-rate 8,32,inf --num-prompts "${SERVE_PROMPTS:-100}" --input-len 512 \
-      --output-len 128 --len-spread 0.5 --logprobs 0 --json --server-log "/tmp/serve-$mode.log" \
-      2>>"$OUT/serve.err" | tee -a "$OUT/serve.jsonl"
+    for sched in ${SERVE_ASYNC:-auto}; do  # SERVE_ASYNC="on off": async scheduling A/B
+      # --logprobs 0: a chunk per token (a random preset's tokens have no text to stream)
+      python3 -m ostinato.cli bench serve --launch --model "$model" --cuda-graph-mode $mode \
+        --async-scheduling $sched --max-model-len 2048 --request-rate 8,32,inf \
+        --num-prompts "${SERVE_PROMPTS:-100}" --input-len 512 --output-len 128 --len-spread 0.5 \
+        --logprobs 0 --json --server-log "/tmp/serve-$mode-$sched.log" \
+        2>>"$OUT/serve.err" | tee -a "$OUT/serve.jsonl"
+    done
   done
   grep -i -E "error|traceback" "$OUT/serve.err" | tail -n 10
   ;;

@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
                     requests = _requests(args, seed_offset=i)
                 results, seconds = asyncio.run(benchmark(base_url, args, requests, rate, i))
                 head = {"bench": "serve", "model": args.model, "base_url": base_url}
+                if args.launch:  # the launched server's engine flags
+                    head["engine_flags"] = " ".join(engine_argv(args))
                 head |= {"request_rate": "inf" if math.isinf(rate) else rate}
                 head |= {"dataset": args.dataset, "num_prompts": len(requests)}
                 emit_result(head | summarize(results, seconds), args.json)

@@ -14,6 +14,11 @@ expand: y[t, shard] += (sum_p partials[p, t, shard]) @ b[slot, shard]^T, in plac
 Graph-safe: the grid depends on the padded token count and the padded number of groups (both
 fixed by the batch descriptor), every count and index is read on the device, and spare
 programs exit. Tokens of no group (no adapter, padding) are neither read nor written.
+
+Both kernels take programmatic dependent launch (Hopper): what was written before the step
+(the groups, the slots' weights) is read while the kernel before still runs; what that kernel
+writes (x, y, partials) only after gdc_wait. At batch 1 the chain of dependent reads (group,
+slot, rank, token) was most of each kernel's time.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ostinato.context import LoRAMetadata
-from ostinato.kernels.dispatch import jit, use_triton
+from ostinato.kernels.dispatch import jit, pdl_options, use_triton
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, meta: LoRAMetadata):
@@ -86,7 +91,7 @@ def _shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr,
     K, num_shards, stride_x, stride_a, stride_split, stride_out,
     R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (token tile * SPLIT, shard, group): one split of K for BLOCK_M tokens of a group."""
     tile = tl.program_id(0) // SPLIT
@@ -94,29 +99,36 @@ def _shrink_kernel(
     shard = tl.program_id(1)
     group = tl.program_id(2)
     count = tl.load(counts_ptr + group)
+    slot = tl.load(slots_ptr + group).to(tl.int64)
+    start = tl.load(starts_ptr + group)
     if tile * BLOCK_M >= count:
         return
-    slot = tl.load(slots_ptr + group).to(tl.int64)
     rank = tl.load(ranks_ptr + slot * num_shards + shard)
     if rank == 0:
         return
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < count
-    token = tl.load(tokens_ptr + tl.load(starts_ptr + group) + rows, mask=row_ok, other=0)
-    token = token.to(tl.int64)
+    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     a_rows = a_ptr + slot * stride_a + (shard * R + r)[None, :] * K
     span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_lo = split * span
+    k = k_lo + tl.arange(0, BLOCK_K)
+    at = tl.load(a_rows + k[:, None], mask=(r < rank)[None, :] & (k < K)[:, None], other=0.0)
+    if PDL:  # the first tile of A came in while the kernel before ran; x is its output
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for k0 in range(split * span, tl.minimum(split * span + span, K), BLOCK_K):
+    for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
+        if k0 != k_lo:
+            at = tl.load(a_rows + k[:, None], mask=(r < rank)[None, :] & k_ok[:, None], other=0.0)
         xt = tl.load(
             x_ptr + token[:, None] * stride_x + k[None, :],
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        at = tl.load(a_rows + k[:, None], mask=(r < rank)[None, :] & k_ok[:, None], other=0.0)
         acc += tl.dot(xt, at, input_precision=PRECISION)
     out = out_ptr + split * stride_split + token[:, None] * stride_out + (shard * R + r)[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & (r < R)[None, :])
@@ -127,7 +139,7 @@ def _expand_kernel(
     p_ptr, b_ptr, ranks_ptr, y_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr,
     end_0, end_1, end_2, n_tiles, num_shards, stride_split, stride_p, stride_b, stride_y,
     R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (token tile * n_tiles, shard, group): BLOCK_N output columns of one shard for
     BLOCK_M tokens of a group; the SPLIT partials are summed here. Shard s ends at column
@@ -137,29 +149,22 @@ def _expand_kernel(
     shard = tl.program_id(1)
     group = tl.program_id(2)
     count = tl.load(counts_ptr + group)
+    slot = tl.load(slots_ptr + group).to(tl.int64)
+    start = tl.load(starts_ptr + group)
     if tile_m * BLOCK_M >= count:
         return
     n_hi = tl.where(shard == 0, end_0, tl.where(shard == 1, end_1, end_2))
     n_lo = tl.where(shard == 0, 0, tl.where(shard == 1, end_0, end_1)) + tile_n * BLOCK_N
     if n_lo >= n_hi:
         return
-    slot = tl.load(slots_ptr + group).to(tl.int64)
     rank = tl.load(ranks_ptr + slot * num_shards + shard)
     if rank == 0:
         return
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < count
-    token = tl.load(tokens_ptr + tl.load(starts_ptr + group) + rows, mask=row_ok, other=0)
-    token = token.to(tl.int64)
+    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
-    sp = tl.arange(0, SPLIT)
-    p = p_ptr + sp[:, None, None] * stride_split + token[None, :, None] * stride_p
-    p = tl.load(
-        p + (shard * R + r)[None, None, :],
-        mask=row_ok[None, :, None] & r_ok[None, None, :],
-        other=0.0,
-    )
     n = n_lo + tl.arange(0, BLOCK_N)
     n_ok = n < n_hi
     bt = tl.load(
@@ -167,10 +172,20 @@ def _expand_kernel(
         mask=r_ok[:, None] & n_ok[None, :],
         other=0.0,
     )
-    acc = tl.dot(tl.sum(p, axis=0).to(bt.dtype), bt, input_precision=PRECISION)
+    if PDL:  # B came in while the kernel before ran; the partials and y are written in-step
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    sp = tl.arange(0, SPLIT)
+    p = p_ptr + sp[:, None, None] * stride_split + token[None, :, None] * stride_p
+    p = tl.load(
+        p + (shard * R + r)[None, None, :],
+        mask=row_ok[None, :, None] & r_ok[None, None, :],
+        other=0.0,
+    )
     y = y_ptr + token[:, None] * stride_y + n[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
-    out = tl.load(y, mask=mask, other=0.0).to(tl.float32) + acc
+    out = tl.load(y, mask=mask, other=0.0).to(tl.float32)
+    out += tl.dot(tl.sum(p, axis=0).to(bt.dtype), bt, input_precision=PRECISION)
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -233,7 +248,7 @@ def _shrink_triton(x, a, ranks, meta):
         x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts,
         k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1),
         R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        PRECISION=_precision(x.dtype),
+        PRECISION=_precision(x.dtype), **pdl_options(),
     )  # fmt: skip
     return out
 
@@ -255,5 +270,5 @@ def _expand_triton(partials, b, ranks, offsets, y, meta):
         partials, b, ranks, y, meta.token_indices, meta.slots, meta.starts, meta.counts,
         *ends, n_tiles, shards, partials.stride(0), partials.stride(1), b.stride(0), y.stride(0),
         R=rank_max, SPLIT=partials.shape[0], BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-        BLOCK_R=block_r, PRECISION=_precision(y.dtype),
+        BLOCK_R=block_r, PRECISION=_precision(y.dtype), **pdl_options(),
     )  # fmt: skip
