@@ -3,6 +3,8 @@ process; faults become clear errors and leave no process behind; two torchrun "n
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import multiprocessing
 import os
 import signal
@@ -12,16 +14,29 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
+import torch
 from helpers import make_hf_checkpoint
 from oracle import oracle_prompts
 
 from ostinato import LLM, SamplingParams
+from ostinato.cli import build_parser, engine_config, main
+from ostinato.config import EngineConfig
 from ostinato.distributed.executor import WorkerError
+from ostinato.distributed.parallel import Rank
+from ostinato.engine.block_manager import BlockManager
+from ostinato.engine.scheduler import Scheduler
+from ostinato.engine.sequence import Sequence
+from ostinato.loader import load_hf_config
+from ostinato.models.base import IntermediateTensors
+from ostinato.runner.model_runner import ModelRunner
+from ostinato.runner.step import SamplingRow, dummy_step
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # small steps: long prompts are chunked, several batches share the pipeline
 ENGINE = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 24, "max_num_seqs": 8}
+TWO = {"pipeline_parallel_size": 2}
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +50,11 @@ def prompts():
 
 
 def generate(llm: LLM, prompts, params=GREEDY) -> tuple[list[list[int]], int]:
-    """Tokens per prompt, and the most steps that were ever in flight at once."""
+    """Tokens per prompt (params: one for all, or one per prompt), and the most steps that
+    were ever in flight at once."""
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     done, most_in_flight = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -92,16 +109,90 @@ def test_three_stages_and_an_uneven_split(llama, prompts, reference):
     assert not any(p.is_alive() for p in workers_of(llm))
 
 
-def test_tiny_with_seeded_sampling_across_stages():
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
-    prompts = ["Hello, world", "abc"]
-    one = LLM("tiny", device="cpu").generate(prompts, params, use_tqdm=False)
-    llm = LLM("tiny", device="cpu", pipeline_parallel_size=2)
+@pytest.fixture(scope="module")
+def tiny_reference(prompts):
+    return generate(LLM("tiny", **ENGINE), prompts, TINY_PARAMS)[0]
+
+
+TINY_PARAMS = [GREEDY] * 6 + [SamplingParams(temperature=1.0, seed=3, max_tokens=12)]
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_tiny_over_two_and_three_stages_equals_one_process(prompts, tiny_reference, stages):
+    """Greedy (and one seeded sample), chunked prefill, up to `stages` batches in flight."""
+    llm = LLM("tiny", pipeline_parallel_size=stages, **ENGINE)
     try:
-        two = llm.generate(prompts, params, use_tqdm=False)
+        tokens, most_in_flight = generate(llm, prompts, TINY_PARAMS)
+        assert tokens == tiny_reference
+        assert most_in_flight == stages
+        assert len({str(s["steps"]) for s in llm.graph_report()["stages"]}) == 1
     finally:
         llm.engine.shutdown()
-    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert [p.exitcode for p in workers_of(llm)] == [0] * (stages - 1)  # left when asked
+
+
+class Wire:
+    """Two stages' links in one process: what the first sends, the second receives. Records
+    where each receive wrote."""
+
+    def __init__(self) -> None:
+        self.sent: list[IntermediateTensors] = []
+        self.received_into: list[tuple[int, int, tuple[int, ...]]] = []
+
+    def send(self, out: IntermediateTensors) -> None:
+        self.sent.append(IntermediateTensors(out.hidden_states.clone(), out.residual.clone()))
+
+    def recv(self, into: IntermediateTensors) -> None:
+        out = self.sent.pop(0)
+        into.hidden_states.copy_(out.hidden_states)
+        into.residual.copy_(out.residual)
+        shape = tuple(into.hidden_states.shape)
+        self.received_into.append((into.hidden_states.data_ptr(), into.residual.data_ptr(), shape))
+
+
+def test_a_later_stage_receives_into_its_persistent_buffers_and_goes_on_from_them(prompts):
+    """Two stages' runners in one process, wired together, against the whole model's runner
+    on the same steps (chunked prefill, then decodes): hidden states and residual arrive in
+    the buffers the later stage allocated once, at the step's size, and the tokens and
+    logprobs are the whole model's."""
+    hf_config = load_hf_config("tiny")
+    config = EngineConfig(**ENGINE, **TWO).for_model(hf_config)
+    wire = Wire()
+    first = ModelRunner(config, hf_config, Rank(0, 1, 2), wire)
+    last = ModelRunner(config, hf_config, Rank(1, 1, 2), wire)
+    whole = ModelRunner(dataclasses.replace(config, pipeline_parallel_size=1), hf_config)
+    for runner in (first, last, whole):
+        runner.start(64)
+    buffers = last.intermediate
+    assert buffers.hidden_states.shape == (config.max_num_batched_tokens, hf_config.hidden_size)
+    scheduler = Scheduler(whole.config, BlockManager(64, config.block_size))
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    for i, prompt in enumerate(prompts[:4]):
+        scheduler.add(Sequence(f"r{i}", prompt, params))
+    sizes = []
+    while (batch := scheduler.schedule()) is not None:
+        step = whole.build_step(batch)
+        assert first.run(step) is None
+        got, want = last.run(step), whole.run(step)
+        if want is None:
+            assert got is None
+        else:
+            assert got.token_ids == want.token_ids
+            for a, b in zip(got.logprobs, want.logprobs, strict=True):
+                assert [list(x) for x in a] == [list(x) for x in b]
+                torch.testing.assert_close([list(x.values()) for x in a],
+                                           [list(x.values()) for x in b])  # fmt: skip
+            for row, tokens in zip(step.sampling, want.token_ids, strict=True):
+                next(s for s in batch.seqs if s.request_id == row.request_id).token_ids += tokens
+        scheduler.complete(batch)
+        for seq in [s for s in batch.seqs if s.num_output_tokens >= 3]:
+            scheduler.finish(seq, "length")
+        sizes.append(step.padded_tokens)
+    assert len(set(sizes)) > 2  # prefill chunks and decode batches of several sizes
+    for hidden_ptr, residual_ptr, _ in wire.received_into:
+        assert hidden_ptr == buffers.hidden_states.data_ptr()
+        assert residual_ptr == buffers.residual.data_ptr()
+    assert [shape[0] for *_, shape in wire.received_into] == sizes
 
 
 @pytest.mark.parametrize(
@@ -134,18 +225,45 @@ def test_a_worker_that_fails_to_load_stops_the_engine_with_its_error(llama, tmp_
     assert not multiprocessing.active_children()
 
 
-def test_a_killed_worker_becomes_a_clear_error_and_takes_the_rest_along(llama, prompts):
+@pytest.mark.parametrize("victim", [1, 2])  # a middle stage; the last (it samples)
+def test_a_worker_killed_mid_generation_stops_the_engine_naming_its_stage(llama, prompts, victim):
     llm = LLM(str(llama), pipeline_parallel_size=3, **ENGINE)
-    generate(llm, prompts[:2])
-    victim = workers_of(llm)[0]
-    os.kill(victim.pid, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="stage 1.*killed by SIGKILL"):
-        generate(llm, prompts)
-    assert time.monotonic() - start < 30
-    assert not any(p.is_alive() for p in workers_of(llm))
-    with pytest.raises(WorkerError, match="engine has stopped"):
-        llm.generate(["again"], GREEDY, use_tqdm=False)
+    engine = llm.engine
+    try:
+        for prompt in prompts:
+            engine.add_request(prompt, GREEDY)
+        for _ in range(4):
+            engine.step()
+        assert len(engine.in_flight) == 2  # batches on their way through the stages
+        os.kill(workers_of(llm)[victim - 1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=f"stage {victim}, .*killed by SIGKILL"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 30
+        assert not any(p.is_alive() for p in workers_of(llm))
+        with pytest.raises(WorkerError, match="engine has stopped"):
+            llm.generate(["again"], GREEDY, use_tqdm=False)
+    finally:
+        engine.shutdown()
+
+
+def test_a_worker_that_raises_mid_step_stops_the_engine_with_its_error():
+    llm = LLM("tiny", **ENGINE, **TWO)
+    engine, config = llm.engine, llm.engine.config
+    step = dummy_step(4, 1, config.max_model_len, config.block_size)
+    step.logits_indices = np.array([100])  # past the step's 4 rows: only the last stage reads it
+    step.sampling = [SamplingRow("bad", GREEDY, 4)]
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"stage 1, tensor rank 0 \(rank 1\) failed: Index"):
+            engine.executor.submit(step).result()
+        assert time.monotonic() - start < 30
+        assert not any(p.is_alive() for p in workers_of(llm))
+        with pytest.raises(WorkerError, match="engine has stopped"):
+            llm.generate(["again"], GREEDY, use_tqdm=False)
+    finally:
+        engine.shutdown()
 
 
 def test_workers_die_with_a_driver_that_is_killed(tmp_path):
@@ -185,6 +303,47 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is dead but not yet reaped
         return f.read().split(") ")[-1][0] != "Z"
+
+
+# ---- the command line ----------------------------------------------------------------------
+@pytest.mark.parametrize("command", ["generate", "serve", "explain", "bench latency"])
+def test_every_command_takes_the_parallel_flags(command):
+    flags = ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]
+    args = build_parser().parse_args([*command.split(), *flags, "--pp-layer-partition", "3,1"])
+    config = engine_config(args)
+    assert (config.pipeline_parallel_size, config.tensor_parallel_size) == (2, 2)
+    assert config.pp_layer_partition == [3, 1]
+
+
+def test_explain_prints_each_stage_and_each_tensor_rank_share(capsys):
+    argv = ["explain", "--model", "tiny", "--device", "cpu", "--pipeline-parallel-size", "2"]
+    argv += ["--tensor-parallel-size", "2", "--pp-layer-partition", "3,1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("stage ")] == [
+        "stage ranks=[0, 1], layers=[0, 3], embedding=True, lm_head_and_sampler=False",
+        "stage ranks=[2, 3], layers=[3, 4], embedding=False, lm_head_and_sampler=True",
+    ]
+    assert any(line.startswith("tensor_parallel: {'size': 2,") for line in out)
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["layers"] for s in report["stages"]] == [[0, 3], [3, 4]]
+    assert main([*argv[:-1], "3,2"]) == 2  # refused before anything starts, with the fix
+    assert "sum to the model's 4 layers" in capsys.readouterr().err
+
+
+def test_bench_runs_pipelined_engines_one_after_another(capsys):
+    argv = ["bench", "latency", "--device", "cpu", "--json", "--batch-size", "2"]
+    argv += ["--input-len", "16", "--output-len", "3", "--iters", "1"]
+    argv += ["--pipeline-parallel-size", "2", "--cuda-graph-mode", "none,piecewise"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["pp"], r["tp"], r["requested_mode"]) for r in lines] == [
+        (2, 1, "none"),
+        (2, 1, "piecewise"),
+    ]
+    assert all(r["tpot_ms"] > 0 for r in lines)
+    assert not multiprocessing.active_children()  # each engine's worker stopped with it
 
 
 def _free_port() -> int:
