@@ -7,19 +7,22 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
-import textwrap
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import make_hf_checkpoint
+from helpers import child_pids, is_alive, make_hf_checkpoint
 from oracle import oracle_prompts
 
+import ostinato
 from ostinato import LLM, SamplingParams
 from ostinato.cli import build_parser, engine_config, main
 from ostinato.config import EngineConfig
@@ -37,6 +40,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # small steps: long prompts are chunked, several batches share the pipeline
 ENGINE = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 24, "max_num_seqs": 8}
 TWO = {"pipeline_parallel_size": 2}
+REPO = str(Path(ostinato.__file__).parents[1])
 
 
 @pytest.fixture(scope="module")
@@ -211,15 +215,23 @@ def test_bad_settings_are_refused_before_any_process_starts(kwargs, message):
     assert len(multiprocessing.active_children()) == before
 
 
-def test_a_worker_that_fails_to_load_stops_the_engine_with_its_error(llama, tmp_path):
+@pytest.mark.parametrize(
+    ("layer", "error"),
+    [
+        (3, WorkerError),  # held by stage 1, a worker: its error, naming it
+        (0, ValueError),  # held by stage 0, the driver: its own error, the workers stopped
+    ],
+)
+def test_a_stage_that_fails_to_load_stops_every_rank_with_its_error(tmp_path, layer, error):
     broken = make_hf_checkpoint("llama", tmp_path / "broken", num_hidden_layers=4)
     from safetensors.torch import load_file, save_file
 
     weights = load_file(broken / "model.safetensors")
-    del weights["model.layers.3.mlp.down_proj.weight"]  # only stage 1 holds layer 3
+    del weights[f"model.layers.{layer}.mlp.down_proj.weight"]
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     start = time.monotonic()
-    with pytest.raises(WorkerError, match=r"stage 1.*lacks weights.*layers\.3\.mlp\.down_proj"):
+    stage = "stage 1.*" if layer == 3 else ""
+    with pytest.raises(error, match=rf"{stage}lacks weights.*layers\.{layer}\.mlp\.down_proj"):
         LLM(str(broken), pipeline_parallel_size=2, **ENGINE)
     assert time.monotonic() - start < 60
     assert not multiprocessing.active_children()
@@ -248,6 +260,20 @@ def test_a_worker_killed_mid_generation_stops_the_engine_naming_its_stage(llama,
         engine.shutdown()
 
 
+def test_a_worker_that_dies_between_steps_stops_the_engine_before_the_next():
+    llm = LLM("tiny", **ENGINE, **TWO)
+    try:
+        os.kill(workers_of(llm)[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while llm.engine.failed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "stage 1, tensor rank 0 (rank 1) was killed by SIGKILL" in llm.engine.failed
+        with pytest.raises(WorkerError, match="stage 1, .*killed by SIGKILL"):
+            llm.generate(["again"], GREEDY, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_worker_that_raises_mid_step_stops_the_engine_with_its_error():
     llm = LLM("tiny", **ENGINE, **TWO)
     engine, config = llm.engine, llm.engine.config
@@ -266,43 +292,87 @@ def test_a_worker_that_raises_mid_step_stops_the_engine_with_its_error():
         engine.shutdown()
 
 
-def test_workers_die_with_a_driver_that_is_killed(tmp_path):
-    script = tmp_path / "driver.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import sys, time
-            from ostinato import LLM
-            if __name__ == "__main__":
-                llm = LLM("tiny", device="cpu", pipeline_parallel_size=3)
-                pids = [p.pid for p in llm.engine.executor.workers.procs.values()]
-                print(*pids, flush=True)
-                time.sleep(600)
-            """
-        )
-    )
-    driver = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
-    )
+def test_an_engine_built_in_a_thread_keeps_its_workers_after_the_thread_ends():
+    """Linux kills a worker when the thread that started it ends (PR_SET_PDEATHSIG): the
+    engine's own watchdog thread starts them, not the caller's."""
+    built: list[LLM] = []
+    builder = threading.Thread(target=lambda: built.append(LLM("tiny", **ENGINE, **TWO)))
+    builder.start()
+    builder.join()
+    llm = built[0]
     try:
-        pids = [int(p) for p in driver.stdout.readline().split()]
-        assert len(pids) == 2
+        time.sleep(0.5)
+        assert all(p.is_alive() for p in workers_of(llm))
+        assert len(llm.generate(["Hello"], GREEDY, use_tqdm=False)[0].token_ids) == 10
+    finally:
+        llm.engine.shutdown()
+
+
+def test_shutdown_with_a_step_in_flight_is_prompt_and_the_workers_leave_by_themselves():
+    llm = LLM("tiny", **ENGINE, **TWO)
+    engine = llm.engine
+    try:
+        for i in range(4):
+            engine.add_request(f"request {i} " * 5, GREEDY)
+        engine.step()  # submits two batches, finishes one
+        assert len(engine.in_flight) == 1
+    finally:
+        start = time.monotonic()
+        engine.shutdown()
+    assert time.monotonic() - start < 5
+    assert [p.exitcode for p in workers_of(llm)] == [0]
+
+
+DRIVER = """
+import sys
+from ostinato import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM("tiny", device="cpu", pipeline_parallel_size=2, max_num_batched_tokens=16)
+    engine = llm.engine
+    for i in range(6):
+        engine.add_request(f"prompt {i} " * 8, SamplingParams(max_tokens=4000, ignore_eos=True))
+    engine.step()
+    print("stepping", flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+"""
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: signal.Signals(s).name
+)
+def test_a_driver_stopped_mid_generation_leaves_no_process_behind(tmp_path, sig):
+    """Ctrl-C, a polite kill, a hard kill: the driver ends within seconds, and every process
+    it started (the worker, multiprocessing's resource tracker) ends with it."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO},  # this ostinato
+    )  # fmt: skip
+    try:
+        assert _read_line(driver, timeout=120) == "stepping"
+        children = child_pids(driver.pid)
+        assert len(children) == 2
+        driver.send_signal(sig)
+        start = time.monotonic()
+        driver.wait(timeout=60)
+        assert time.monotonic() - start < 15
     finally:
         driver.kill()
         driver.wait()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(is_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not [p for p in children if is_alive(p)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead but not yet reaped
-        return f.read().split(") ")[-1][0] != "Z"
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    """proc's next line of output, failing (not hanging) when none comes in time."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no output in {timeout} s"
+    return proc.stdout.readline().strip()
 
 
 # ---- the command line ----------------------------------------------------------------------

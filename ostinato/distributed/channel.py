@@ -9,7 +9,9 @@ at once with the connection closed.
 
 from __future__ import annotations
 
+import datetime
 import pickle
+import time
 from collections import deque
 
 import torch
@@ -46,7 +48,20 @@ class Channel:
         message = torch.cat(chunks) if len(chunks) > 1 else first
         return pickle.loads(message[8 : 8 + size].numpy().tobytes())
 
-    def flush(self) -> None:
-        """Wait until every message sent so far was received."""
-        while self._pending:
-            self._pending.popleft()[0].wait()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every message sent so far was received: True. With a timeout (seconds,
+        for all of them), False once it passed; what was not received is given up."""
+        if timeout is None:
+            while self._pending:
+                self._pending.popleft()[0].wait()
+            return True
+        deadline = time.monotonic() + timeout
+        try:
+            while self._pending:
+                left = max(deadline - time.monotonic(), 0.001)
+                self._pending[0][0].wait(timeout=datetime.timedelta(seconds=left))
+                self._pending.popleft()
+        except RuntimeError:  # timed out (or the receiver is gone)
+            self._pending.clear()
+            return False
+        return True

@@ -36,6 +36,9 @@ from ostinato.runner.step import StepInput
 logger = logging.getLogger("ostinato")
 
 
+SHUTDOWN_PATIENCE = 5.0  # seconds the workers get to take their Shutdown message
+
+
 class WorkerError(RuntimeError):
     """A worker died or raised: the engine has stopped."""
 
@@ -66,7 +69,7 @@ class MultiprocExecutor:
             )
         self.max_in_flight = config.pipeline_parallel_size
         self.workers: Workers | None = None
-        self.failed: str | None = None
+        self._failed: str | None = None  # set once the engine stopped after a failure
         self._unresolved: deque[RemoteStep] = deque()
         self._reports: dict[int, dict] = {}
         meet = None
@@ -88,6 +91,8 @@ class MultiprocExecutor:
             self.runner = load_stage(self.world, hf_config)
         except BaseException as e:
             error = self._error(e)  # before closing: the watchdog stops watching then
+            if self.workers is not None:  # still starting up: none would read a Shutdown
+                self.workers.stop(0)
             self._closer()
             raise error from e
         self.num_blocks = self.runner.num_blocks
@@ -144,18 +149,40 @@ class MultiprocExecutor:
         return {**own, "stages": stages}
 
     def shutdown(self) -> None:
+        """Stop the workers. Steps still in flight finish first (the last stage's result of
+        each is taken, so no rank waits on an unread message), then every rank leaves."""
+        if self.failed is None and self._closer.alive:
+            try:
+                while self._unresolved:
+                    self.receive()
+            except BaseException:  # _fail has closed everything
+                if self.failed is None:
+                    raise
+                return
         self._closer()
 
     # ---- failures ------------------------------------------------------------------------
+    @property
+    def failed(self) -> str | None:
+        """Why the engine stopped, else None; as soon as a worker died, even between steps
+        (the server's /health reports it before any request fails)."""
+        if self._failed is None and self.workers is not None:
+            return self.workers.cause
+        return self._failed
+
     def _check_alive(self) -> None:
-        if self.failed is not None:
-            raise WorkerError(f"{self.failed}; the engine has stopped: start a new one")
+        if self._failed is None and self.failed is not None:  # died between steps
+            raise self._fail(RuntimeError(self.failed))
+        if self._failed is not None:
+            raise WorkerError(f"{self._failed}; the engine has stopped: start a new one")
 
     def _fail(self, e: BaseException) -> BaseException:
         """Any failure mid-step leaves the ranks out of step with each other, so the engine
         stops: the workers are stopped and every later call raises."""
         error = self._error(e)
-        self.failed = str(error) or type(error).__name__
+        self._failed = str(error) or type(error).__name__
+        if self.workers is not None:  # mid-step they would not read a Shutdown: no asking
+            self.workers.stop(0)
         self._closer()
         return error
 
@@ -168,14 +195,20 @@ class MultiprocExecutor:
 
 def _close(world: World | None, workers: Workers | None) -> None:
     """Stop the workers (asking first, killing what is left) and leave the group. Runs once:
-    at shutdown(), on failure, or when the executor is collected or the interpreter exits."""
-    if world is not None and (workers is None or workers.cause is None):
+    at shutdown(), on failure, or when the executor is collected or the interpreter exits.
+    Never waits long: a worker that does not take its Shutdown in SHUTDOWN_PATIENCE seconds
+    (it may wait in a step the driver left, e.g. after Ctrl-C) is killed, or under torchrun
+    finds the group gone."""
+    delivered = False
+    if world is not None and (workers is None or (workers.cause is None and not workers.stopping)):
         try:
             for rank in range(1, world.rank.world_size):
                 world.channel.send(Shutdown(), rank)
-            world.channel.flush()
+            delivered = world.channel.flush(SHUTDOWN_PATIENCE)
+            if not delivered:
+                logger.warning("a worker did not take its shutdown message: stopping it")
         except RuntimeError as e:  # a worker is already gone; the rest are killed below
             logger.debug("shutdown message not delivered: %s", e)
     if workers is not None:
-        workers.stop()
+        workers.stop(10.0 if delivered else 0.0)
     leave()
