@@ -3,6 +3,7 @@ process; faults become clear errors and leave no process behind; two torchrun "n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -430,13 +431,28 @@ def _torchrun(node_rank: int, port: int, model: str, *flags: str) -> subprocess.
         "--dtype", "float32", "--max-tokens", "8", "--ignore-eos", "--pipeline-parallel-size",
         "2", *flags, "The quick brown fox",
     ]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: the rank it starts goes with it
+    )  # fmt: skip
+
+
+def _finish(nodes: list[subprocess.Popen], timeout: float = 180) -> list[tuple[str, str]]:
+    """Each node's (stdout, stderr); a node still running after timeout fails the test, and
+    no node outlives it, with the rank torchrun started."""
+    try:
+        return [node.communicate(timeout=timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
 
 
 def test_two_torchrun_nodes_generate_what_one_process_does(llama):
     port = _free_port()
     nodes = [_torchrun(rank, port, str(llama)) for rank in (0, 1)]
-    outs = [node.communicate(timeout=180) for node in nodes]
+    outs = _finish(nodes)
     assert [node.returncode for node in nodes] == [0, 0], outs
     single = subprocess.run(
         [sys.executable, "-m", "ostinato.cli", "generate", "--model", str(llama), "--dtype",
@@ -453,7 +469,7 @@ def test_torchrun_nodes_with_different_settings_fail_clearly(llama):
         _torchrun(0, port, str(llama), "--max-num-seqs", "8"),
         _torchrun(1, port, str(llama), "--max-num-seqs", "16"),
     ]
-    outs = [node.communicate(timeout=180) for node in nodes]
+    outs = _finish(nodes)
     assert all(node.returncode != 0 for node in nodes)
     assert "start every rank with the same engine flags" in outs[0][1]
     assert "max_num_seqs: 16 vs 8" in outs[0][1] + outs[1][1]
