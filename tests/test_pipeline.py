@@ -275,6 +275,25 @@ def test_a_worker_that_dies_between_steps_stops_the_engine_before_the_next():
         llm.engine.shutdown()
 
 
+def test_a_stuck_worker_stops_the_engine_after_the_timeout_instead_of_hanging_it():
+    """A worker that neither answers nor dies (stopped with SIGSTOP): the driver's wait for
+    its message (a report here; a step's tokens take the same way) ends after
+    distributed_timeout with an error naming it, and it is killed."""
+    llm = LLM("tiny", **ENGINE, **TWO, distributed_timeout=10)
+    try:
+        assert len(llm.generate(["Hello"], GREEDY, use_tqdm=False)[0].token_ids) == 10
+        worker = workers_of(llm)[0]
+        os.kill(worker.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"stage 1, .* sent nothing for distributed_timeout"):
+            llm.graph_report()
+        assert 10 <= time.monotonic() - start < 30
+        worker.join(5)
+        assert worker.exitcode == -signal.SIGKILL
+    finally:
+        llm.engine.shutdown()
+
+
 def test_a_worker_that_raises_mid_step_stops_the_engine_with_its_error():
     llm = LLM("tiny", **ENGINE, **TWO)
     engine, config = llm.engine, llm.engine.config

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ostinato.config import EngineConfig
 from ostinato.distributed.launcher import Workers, check_launch, free_port, launched_by_torchrun
+from ostinato.distributed.parallel import Rank
 from ostinato.distributed.worker import (
     Report,
     ReportRequest,
@@ -67,6 +68,7 @@ class MultiprocExecutor:
                 "group): one multi-process engine at a time; shut the other down first "
                 "(LLMEngine.shutdown())"
             )
+        self.config = config
         self.max_in_flight = config.pipeline_parallel_size
         self.workers: Workers | None = None
         self._failed: str | None = None  # set once the engine stopped after a failure
@@ -116,10 +118,15 @@ class MultiprocExecutor:
         return pending
 
     def receive(self) -> None:
-        """Take the sampling rank's next message: a step's result or a report."""
+        """Take the sampling rank's next message: a step's result or a report. It must come
+        within distributed_timeout, as any transfer of a step must: a rank that sends nothing
+        for that long is stuck, and the engine stops rather than wait on it."""
         self._check_alive()
+        rank = self.world.sampling_rank
         try:
-            msg = self.world.channel.recv(self.world.sampling_rank)
+            msg = self.world.channel.recv(rank, timeout=self.config.distributed_timeout)
+        except TimeoutError as e:
+            raise self._fail(WorkerError(self._stuck(rank))) from e
         except BaseException as e:
             raise self._fail(e) from e
         if isinstance(msg, StepResult):
@@ -140,7 +147,10 @@ class MultiprocExecutor:
                     if rank == self.world.sampling_rank:
                         self.receive()
                     else:
-                        self._reports[rank] = self.world.channel.recv(rank).report
+                        timeout = self.config.distributed_timeout
+                        self._reports[rank] = self.world.channel.recv(rank, timeout).report
+            except TimeoutError as e:
+                raise self._fail(WorkerError(self._stuck(rank))) from e
             except BaseException as e:
                 raise self._fail(e) from e
         own = self.runner.graph_report()
@@ -190,7 +200,22 @@ class MultiprocExecutor:
         cause = self.workers.settle() if self.workers is not None else None
         if cause is None and isinstance(e, RuntimeError) and "by peer" in str(e):
             cause = f"a worker disconnected ({e})"
+        if cause is None and isinstance(e, RuntimeError) and "Timed out" in str(e):
+            cause = (
+                "a transfer or collective of a step took longer than distributed_timeout="
+                f"{self.config.distributed_timeout:g} s: a worker is stuck, or steps are "
+                f"that slow (then raise --distributed-timeout) ({e})"
+            )
         return WorkerError(cause) if cause else e
+
+    def _stuck(self, rank: int) -> str:
+        c = self.config
+        r = Rank(rank, c.tensor_parallel_size, c.pipeline_parallel_size)
+        return (
+            f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank}) sent nothing "
+            f"for distributed_timeout={c.distributed_timeout:g} s: it is stuck, or its steps "
+            "are that slow (then raise --distributed-timeout)"
+        )
 
 
 def _close(world: World | None, workers: Workers | None) -> None:
