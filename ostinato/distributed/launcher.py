@@ -72,6 +72,8 @@ class Workers:
         self.cause: str | None = None  # why the engine stopped, once a worker died
         self.on_death: Callable[[], None] = lambda: None  # aborts the driver's collectives
         self._stopping = False
+        # one thread at a time reaps: a process another thread is reaping reads as alive
+        self._reaping = threading.RLock()
         ctx = mp.get_context("spawn")
         self.procs = {
             rank: ctx.Process(
@@ -126,7 +128,8 @@ class Workers:
                 del pending[sentinel]
 
     def _describe(self, rank: int) -> str:
-        self.procs[rank].join(1)  # reaped, so its exit code is known
+        with self._reaping:
+            self.procs[rank].join(1)  # reaped, so its exit code is known
         r, code = self.ranks[rank], self.procs[rank].exitcode
         who = f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank})"
         error = self._error_of(rank)
@@ -172,11 +175,12 @@ class Workers:
             time.sleep(0.01)
 
     def kill(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.procs.values():
-            proc.join(5)
+        with self._reaping:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+            for proc in self.procs.values():
+                proc.join(5)
 
     @property
     def stopping(self) -> bool:
@@ -187,6 +191,7 @@ class Workers:
         timeout 0)."""
         self._stopping = True
         deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
+        with self._reaping:
+            for proc in self.procs.values():
+                proc.join(max(0.0, deadline - time.monotonic()))
+            self.kill()
