@@ -3,6 +3,7 @@ transformers and ostinato load from the same directory."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -153,3 +154,31 @@ def overlapped_submits(llm) -> list[int]:
 
     engine.executor.submit = counting
     return seen
+
+
+# ---- processes, from /proc (CI has no psutil) ---------------------------------------------
+def child_pids(pid: int, command_part: str = "") -> list[int]:
+    """The processes whose parent is pid (and whose command line holds command_part)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # it ended while we looked
+        if ppid == pid and command_part in command:
+            found.append(int(entry))
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    """Whether pid runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

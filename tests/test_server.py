@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import child_pids, is_alive
 
 from ostinato import LLM, SamplingParams
 from ostinato.config import EngineConfig
@@ -288,6 +290,36 @@ def test_queue_limit_503_then_sigterm_aborts_and_exits_zero(tmp_path):
         assert srv.proc.wait(timeout=20) == 0
     finally:
         srv.stop()
+
+
+def test_a_pipelined_server_answers_as_one_process_and_reports_a_dead_worker(tmp_path, llm):
+    """--pipeline-parallel-size 2: the same text as one process; a worker killed between
+    requests makes /health and every request answer 503 naming it; SIGTERM still exits 0,
+    with no process left behind."""
+    srv = Server([*_flags(CONFIG), "--pipeline-parallel-size", "2"], tmp_path / "server.log")
+    children = child_pids(srv.proc.pid)
+    try:
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0}
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            r = client.post("/v1/completions", json=body | EXACT)
+            assert r.json()["choices"][0]["text"] == _greedy(llm, PROMPTS[:1], 8)[0]
+            (worker,) = child_pids(srv.proc.pid, "spawn_main")
+            os.kill(worker, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while client.get("/health").status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            health = client.get("/health")
+            assert (health.status_code, health.json()) == (503, {"status": "engine stopped"})
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 503
+            assert "stage 1, tensor rank 0 (rank 1) was killed by SIGKILL" in r.text
+        assert srv.stop() == 0, srv.log.read_text()
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while any(is_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if is_alive(p)]
 
 
 @pytest.fixture(scope="module")

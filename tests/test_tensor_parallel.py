@@ -4,9 +4,13 @@ worker processes talking gloo, token-equal to one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
+import os
 import re
+import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,13 +21,15 @@ from safetensors.torch import load_file
 
 from ostinato import LLM, SamplingParams
 from ostinato.config import EngineConfig
-from ostinato.distributed.parallel import TPGroup, set_tp_group
+from ostinato.distributed.executor import WorkerError
+from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group
 from ostinato.graphs.explain import explain
 from ostinato.layers.embedding import LMHead, VocabEmbedding
 from ostinato.layers.linear import ColumnParallelLinear, RowParallelLinear
 from ostinato.layers.weights import loader_of
 from ostinato.loader import LazyTensor, load_hf_config, load_model
 from ostinato.models.llama import LlamaMLP
+from ostinato.runner.model_runner import ModelRunner
 
 # small steps: long prompts are chunked, several requests share each step
 ENGINE = {"dtype": "float32", "device": "cpu", "max_num_batched_tokens": 24, "max_num_seqs": 8}
@@ -253,6 +259,29 @@ def test_random_weights_of_each_rank_are_its_slices_of_the_whole_model():
         assert "lm_head.weight" not in part  # tied: one parameter
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_caches_only_its_kv_heads_and_sizes_its_cache_for_them(tp):
+    """tiny has 2 KV heads: with 2 ranks each caches one, with 4 ranks pairs share one. A
+    rank's blocks are half the bytes of one process's, so the same memory holds twice as many."""
+    hf_config = load_hf_config("tiny")
+    config = EngineConfig(device="cpu", tensor_parallel_size=tp, kv_cache_memory=2**22)
+    config = config.for_model(hf_config)
+    whole = ModelRunner(dataclasses.replace(config, tensor_parallel_size=1), hf_config)
+    for rank in range(tp):
+        set_tp_group(TPGroup(rank, tp))  # building and sizing run no collective
+        try:
+            runner = ModelRunner(config, hf_config, Rank(rank, tp, 1))
+        finally:
+            set_tp_group(TPGroup())
+        assert runner.kv_block_bytes * 2 == whole.kv_block_bytes
+        assert runner.num_blocks == 2 * whole.num_blocks
+        runner.start()
+        for layer in range(hf_config.num_hidden_layers):
+            for cache in runner.kv_caches[layer]:
+                assert cache.shape == (runner.num_blocks, config.block_size, 1, 64)
+        assert runner.model.model.layers["0"].self_attn.attn.num_kv_heads == 1
+
+
 # ---- settings that cannot split ------------------------------------------------------------
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "intermediate", "tp", "message"),
@@ -346,3 +375,25 @@ def test_two_tensor_ranks_times_two_stages_generate_what_one_process_does(llama,
     got, ranks = run(str(llama), prompts, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert got == want
     assert ranks == [(0, 0, [0, 2]), (0, 1, [0, 2]), (1, 0, [2, 4]), (1, 1, [2, 4])]
+
+
+def test_a_tensor_rank_killed_mid_generation_stops_the_engine_naming_it(prompts):
+    """Rank 0 waits in an all-reduce with the rank that died: the engine stops with an error
+    naming it, within seconds, and no worker is left."""
+    llm = LLM("tiny", tensor_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    try:
+        for prompt in prompts:
+            engine.add_request(prompt, GREEDY)
+        for _ in range(3):
+            engine.step()
+        worker = engine.executor.workers.procs[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"stage 0, tensor rank 1 \(rank 1\) was killed"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 30
+        assert not worker.is_alive()
+    finally:
+        engine.shutdown()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ostinato.config import EngineConfig
 from ostinato.distributed.launcher import Workers, check_launch, free_port, launched_by_torchrun
+from ostinato.distributed.parallel import Rank
 from ostinato.distributed.worker import (
     Report,
     ReportRequest,
@@ -34,6 +35,9 @@ from ostinato.runner.sampler import SamplerOutput
 from ostinato.runner.step import StepInput
 
 logger = logging.getLogger("ostinato")
+
+
+SHUTDOWN_PATIENCE = 5.0  # seconds the workers get to take their Shutdown message
 
 
 class WorkerError(RuntimeError):
@@ -64,9 +68,10 @@ class MultiprocExecutor:
                 "group): one multi-process engine at a time; shut the other down first "
                 "(LLMEngine.shutdown())"
             )
+        self.config = config
         self.max_in_flight = config.pipeline_parallel_size
         self.workers: Workers | None = None
-        self.failed: str | None = None
+        self._failed: str | None = None  # set once the engine stopped after a failure
         self._unresolved: deque[RemoteStep] = deque()
         self._reports: dict[int, dict] = {}
         meet = None
@@ -88,6 +93,8 @@ class MultiprocExecutor:
             self.runner = load_stage(self.world, hf_config)
         except BaseException as e:
             error = self._error(e)  # before closing: the watchdog stops watching then
+            if self.workers is not None:  # still starting up: none would read a Shutdown
+                self.workers.stop(0)
             self._closer()
             raise error from e
         self.num_blocks = self.runner.num_blocks
@@ -111,10 +118,15 @@ class MultiprocExecutor:
         return pending
 
     def receive(self) -> None:
-        """Take the sampling rank's next message: a step's result or a report."""
+        """Take the sampling rank's next message: a step's result or a report. It must come
+        within distributed_timeout, as any transfer of a step must: a rank that sends nothing
+        for that long is stuck, and the engine stops rather than wait on it."""
         self._check_alive()
+        rank = self.world.sampling_rank
         try:
-            msg = self.world.channel.recv(self.world.sampling_rank)
+            msg = self.world.channel.recv(rank, timeout=self.config.distributed_timeout)
+        except TimeoutError as e:
+            raise self._fail(WorkerError(self._stuck(rank))) from e
         except BaseException as e:
             raise self._fail(e) from e
         if isinstance(msg, StepResult):
@@ -135,7 +147,10 @@ class MultiprocExecutor:
                     if rank == self.world.sampling_rank:
                         self.receive()
                     else:
-                        self._reports[rank] = self.world.channel.recv(rank).report
+                        timeout = self.config.distributed_timeout
+                        self._reports[rank] = self.world.channel.recv(rank, timeout).report
+            except TimeoutError as e:
+                raise self._fail(WorkerError(self._stuck(rank))) from e
             except BaseException as e:
                 raise self._fail(e) from e
         own = self.runner.graph_report()
@@ -144,18 +159,40 @@ class MultiprocExecutor:
         return {**own, "stages": stages}
 
     def shutdown(self) -> None:
+        """Stop the workers. Steps still in flight finish first (the last stage's result of
+        each is taken, so no rank waits on an unread message), then every rank leaves."""
+        if self.failed is None and self._closer.alive:
+            try:
+                while self._unresolved:
+                    self.receive()
+            except BaseException:  # _fail has closed everything
+                if self.failed is None:
+                    raise
+                return
         self._closer()
 
     # ---- failures ------------------------------------------------------------------------
+    @property
+    def failed(self) -> str | None:
+        """Why the engine stopped, else None; as soon as a worker died, even between steps
+        (the server's /health reports it before any request fails)."""
+        if self._failed is None and self.workers is not None:
+            return self.workers.cause
+        return self._failed
+
     def _check_alive(self) -> None:
-        if self.failed is not None:
-            raise WorkerError(f"{self.failed}; the engine has stopped: start a new one")
+        if self._failed is None and self.failed is not None:  # died between steps
+            raise self._fail(RuntimeError(self.failed))
+        if self._failed is not None:
+            raise WorkerError(f"{self._failed}; the engine has stopped: start a new one")
 
     def _fail(self, e: BaseException) -> BaseException:
         """Any failure mid-step leaves the ranks out of step with each other, so the engine
         stops: the workers are stopped and every later call raises."""
         error = self._error(e)
-        self.failed = str(error) or type(error).__name__
+        self._failed = str(error) or type(error).__name__
+        if self.workers is not None:  # mid-step they would not read a Shutdown: no asking
+            self.workers.stop(0)
         self._closer()
         return error
 
@@ -163,19 +200,40 @@ class MultiprocExecutor:
         cause = self.workers.settle() if self.workers is not None else None
         if cause is None and isinstance(e, RuntimeError) and "by peer" in str(e):
             cause = f"a worker disconnected ({e})"
+        if cause is None and isinstance(e, RuntimeError) and "Timed out" in str(e):
+            cause = (
+                "a transfer or collective of a step took longer than distributed_timeout="
+                f"{self.config.distributed_timeout:g} s: a worker is stuck, or steps are "
+                f"that slow (then raise --distributed-timeout) ({e})"
+            )
         return WorkerError(cause) if cause else e
+
+    def _stuck(self, rank: int) -> str:
+        c = self.config
+        r = Rank(rank, c.tensor_parallel_size, c.pipeline_parallel_size)
+        return (
+            f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank}) sent nothing "
+            f"for distributed_timeout={c.distributed_timeout:g} s: it is stuck, or its steps "
+            "are that slow (then raise --distributed-timeout)"
+        )
 
 
 def _close(world: World | None, workers: Workers | None) -> None:
     """Stop the workers (asking first, killing what is left) and leave the group. Runs once:
-    at shutdown(), on failure, or when the executor is collected or the interpreter exits."""
-    if world is not None and (workers is None or workers.cause is None):
+    at shutdown(), on failure, or when the executor is collected or the interpreter exits.
+    Never waits long: a worker that does not take its Shutdown in SHUTDOWN_PATIENCE seconds
+    (it may wait in a step the driver left, e.g. after Ctrl-C) is killed, or under torchrun
+    finds the group gone."""
+    delivered = False
+    if world is not None and (workers is None or (workers.cause is None and not workers.stopping)):
         try:
             for rank in range(1, world.rank.world_size):
                 world.channel.send(Shutdown(), rank)
-            world.channel.flush()
+            delivered = world.channel.flush(SHUTDOWN_PATIENCE)
+            if not delivered:
+                logger.warning("a worker did not take its shutdown message: stopping it")
         except RuntimeError as e:  # a worker is already gone; the rest are killed below
             logger.debug("shutdown message not delivered: %s", e)
     if workers is not None:
-        workers.stop()
+        workers.stop(10.0 if delivered else 0.0)
     leave()

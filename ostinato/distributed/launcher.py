@@ -58,7 +58,13 @@ def free_port() -> int:
 
 
 class Workers:
-    """Ranks 1..world-1 as spawned processes of this one, watched from a thread."""
+    """Ranks 1..world-1 as spawned processes of this one, watched from a thread.
+
+    That thread also starts them and lives as long as any of them: a worker asks Linux to
+    kill it when its parent goes (PR_SET_PDEATHSIG), and Linux counts the thread that
+    started a process as its parent. Started from the caller's thread, the workers would
+    die with it, e.g. when an engine is built in a thread of a pool that then ends.
+    """
 
     def __init__(self, config: EngineConfig, meet: Rendezvous) -> None:
         self.meet = meet
@@ -66,6 +72,8 @@ class Workers:
         self.cause: str | None = None  # why the engine stopped, once a worker died
         self.on_death: Callable[[], None] = lambda: None  # aborts the driver's collectives
         self._stopping = False
+        # one thread at a time reaps: a process another thread is reaping reads as alive
+        self._reaping = threading.RLock()
         ctx = mp.get_context("spawn")
         self.procs = {
             rank: ctx.Process(
@@ -78,23 +86,50 @@ class Workers:
         }
         self.ranks = {rank: Rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
                       for rank in self.procs}  # fmt: skip
-        for proc in self.procs.values():
-            proc.start()
-        self._thread = threading.Thread(target=self._watch, name="ostinato-watchdog", daemon=True)
+        started = threading.Event()
+        failed: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._start_and_watch, args=(started, failed), name="ostinato-watchdog",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
+        started.wait()
+        if failed:  # the thread has ended: the workers it started die with it
+            self._thread.join()
+            for proc in self.procs.values():
+                if proc.exitcode is None and proc.pid is not None:
+                    proc.join(5)
+            raise failed[0]
+
+    def _start_and_watch(self, started: threading.Event, failed: list[BaseException]) -> None:
+        try:
+            for proc in self.procs.values():
+                proc.start()
+        except BaseException as e:
+            self._stopping = True
+            failed.append(e)
+            return
+        finally:
+            started.set()
+        self._watch()
 
     def _watch(self) -> None:
-        by_sentinel = {p.sentinel: rank for rank, p in self.procs.items()}
-        dead = wait(list(by_sentinel))
-        if self._stopping:
-            return
-        rank = by_sentinel[dead[0]]
-        self.cause = self._describe(rank)
-        self.on_death()
-        self.kill()
+        """Until every worker has exited: the first to die unasked is the engine's cause of
+        failure, and takes the others with it."""
+        pending = {p.sentinel: rank for rank, p in self.procs.items()}
+        while pending:
+            dead = wait(list(pending))
+            if not self._stopping:  # the earliest rank: a later one may have died of it
+                self.cause = self._describe(min(pending[sentinel] for sentinel in dead))
+                self.on_death()
+                self.kill()
+                return
+            for sentinel in dead:
+                del pending[sentinel]
 
     def _describe(self, rank: int) -> str:
-        self.procs[rank].join(1)  # reaped, so its exit code is known
+        with self._reaping:
+            self.procs[rank].join(1)  # reaped, so its exit code is known
         r, code = self.ranks[rank], self.procs[rank].exitcode
         who = f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank})"
         error = self._error_of(rank)
@@ -140,16 +175,23 @@ class Workers:
             time.sleep(0.01)
 
     def kill(self) -> None:
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-        for proc in self.procs.values():
-            proc.join(5)
+        with self._reaping:
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+            for proc in self.procs.values():
+                proc.join(5)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def stop(self, timeout: float = 10.0) -> None:
-        """After Shutdown was sent: let the workers exit, kill whoever is left."""
+        """After Shutdown was sent: let the workers exit, kill whoever is left (at once with
+        timeout 0)."""
         self._stopping = True
         deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
+        with self._reaping:
+            for proc in self.procs.values():
+                proc.join(max(0.0, deadline - time.monotonic()))
+            self.kill()

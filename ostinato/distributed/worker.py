@@ -71,7 +71,7 @@ def serve(world: World, runner: ModelRunner) -> None:
         elif isinstance(msg, ReportRequest):
             channel.send(Report(me, {**stage_report(world, runner), **runner.graph_report()}), 0)
         elif isinstance(msg, Shutdown):
-            channel.flush()
+            channel.flush(timeout=5.0)  # the driver takes every result before it says stop
             return
         else:
             raise TypeError(f"unexpected message {type(msg).__name__} from rank 0")

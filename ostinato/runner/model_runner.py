@@ -101,9 +101,15 @@ class ModelRunner:
         self.num_blocks = num_blocks or self.num_blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         if self.graphs.mode is not CudaGraphMode.NONE:
-            self.graphs.capture(
-                self._forward_desc, self._fill_dummy_desc, lambda: self.buffers.device
-            )
+            self.graphs.capture(self._forward_desc, self._fill_dummy_desc, self._graph_inputs)
+
+    def _graph_inputs(self) -> dict[str, torch.Tensor]:
+        """Every persistent buffer a graph reads: the step's, and a later stage's intermediates
+        (debug_graph_addresses checks at each replay that none has moved)."""
+        if self.intermediate is None:
+            return self.buffers.device
+        hidden, residual = self.intermediate.hidden_states, self.intermediate.residual
+        return {**self.buffers.device, "hidden_states": hidden, "residual": residual}
 
     # ---- KV cache sizing -------------------------------------------------------------
     @property

@@ -3,6 +3,7 @@ graphs) in every mode equal one GPU; faults."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
 
+from ostinato import SamplingParams
 from ostinato.distributed.executor import WorkerError
 
 pytestmark = [
@@ -109,4 +111,33 @@ def test_a_killed_stage_stops_the_engine_within_seconds(checkpoint):
     with pytest.raises(WorkerError, match="stage 1.*killed by SIGKILL"):
         mixed_workload(llm)
     assert time.monotonic() - start < 30
+    assert not worker.is_alive()
+
+
+def test_a_tensor_rank_killed_during_graph_replays_stops_the_engine_within_seconds(checkpoint):
+    """The all-reduces are inside the FULL graphs: a peer that dies mid-replay leaves rank 0's
+    stream waiting on NCCL until the watchdog aborts the communicator. The engine must still
+    stop with the rank's name within seconds, and leave no worker."""
+    llm = engine(checkpoint, "full_and_piecewise", tensor_parallel_size=2)
+    worker = llm.engine.executor.workers.procs[1]
+    killed_at: list[float] = []
+
+    def kill_once_decoding() -> None:
+        deadline = time.monotonic() + 120
+        while llm.engine.generation_tokens_total < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        killed_at.append(time.monotonic())
+        os.kill(worker.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_decoding, daemon=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    try:
+        killer.start()
+        with pytest.raises(WorkerError, match=r"stage 0, tensor rank 1 \(rank 1\) was killed"):
+            llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
+        assert time.monotonic() - killed_at[0] < 30
+        assert llm.engine.runner.graph_report()["steps"]["full"] > 0  # rank 0's own replays
+    finally:
+        killer.join(5)
+        llm.engine.shutdown()
     assert not worker.is_alive()
