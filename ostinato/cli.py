@@ -62,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         default="auto",
         help="schedule and launch the next step while the device runs this one: 'auto' (on "
-        "for one CUDA process without speculative decoding), 'on' or 'off' (default auto)",
+        "for one CUDA process), 'on' or 'off' (default auto)",
     )
     group.add_argument(
         "--pp-layer-partition",

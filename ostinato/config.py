@@ -129,6 +129,11 @@ class EngineConfig:
         self._resolve_async_scheduling()
 
     def _resolve_async_scheduling(self) -> None:
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"async_scheduling must be True, False or None (on wherever it works), got "
+                f"{self.async_scheduling!r}"
+            )
         blockers = [
             why
             for why, applies in (

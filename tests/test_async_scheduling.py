@@ -146,6 +146,8 @@ def test_auto_is_on_only_where_it_works():
         assert EngineConfig(device="cuda", **kw).async_scheduling is False
         with pytest.raises(ValueError, match="async_scheduling does not work with"):
             EngineConfig(device="cpu", async_scheduling=True, **kw)
+    with pytest.raises(ValueError, match="must be True, False or None"):
+        EngineConfig(device="cpu", async_scheduling="yes")
 
 
 SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 3}
