@@ -41,14 +41,21 @@ class SampledTokens:
         if self._copied is not None:
             self._copied.synchronize()
         tokens = self._host[0].tolist()
+        picked = self._picked(tokens)
+        out_tokens = [tokens[r.start : r.stop] for r in picked]  # accepted drafts are samples
+        return SamplerOutput(out_tokens, self._logprobs(tokens, picked))
+
+    def _picked(self, tokens: list[int]) -> list[range]:
+        """Per row, the logits rows whose samples it outputs: its accepted drafts, then one."""
+        if not any(row.draft_token_ids for row in self.rows):
+            return [range(i, i + 1) for i in range(len(self.rows))]
         drafts = [t for row in self.rows for t in (*row.draft_token_ids, -1)]
-        out_tokens, picked, start = [], [], 0
+        picked, start = [], 0
         for row in self.rows:
             a = accepted_prefix(tokens, drafts, start, len(row.draft_token_ids))
-            out_tokens.append(tokens[start : start + a + 1])  # accepted drafts are their samples
             picked.append(range(start, start + a + 1))
             start += 1 + len(row.draft_token_ids)
-        return SamplerOutput(out_tokens, self._logprobs(tokens, picked))
+        return picked
 
     def _logprobs(
         self, tokens: list[int], picked: list[range]
@@ -107,8 +114,11 @@ class Sampler:
             scaled = _top_k_top_p(scaled, owners)
         noise = torch.empty_like(scaled).exponential_()
         _seeded_noise(owners, noise)
+        sampled = race(scaled.softmax(dim=-1), noise)
+        if not any(s.params.greedy for s in owners):
+            return sampled
         greedy = _on(device, [s.params.greedy for s in owners])
-        return torch.where(greedy, logits.argmax(dim=-1), race(scaled.softmax(dim=-1), noise))
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def _logprobs(
         self, logits: torch.Tensor, owners: list[SamplingRow], tokens: torch.Tensor
