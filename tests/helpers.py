@@ -4,6 +4,8 @@ transformers and ostinato load from the same directory."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import torch
@@ -182,3 +184,31 @@ def is_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+# ---- faults of multi-process engines -------------------------------------------------------
+def assert_killing_stops_the_engine(engine, pid: int, error: str) -> None:
+    """SIGKILL the worker pid mid-generation: the engine's next steps raise WorkerError
+    matching `error` within 30 s (timeouts on every collective: no hang)."""
+    import pytest
+
+    from ostinato.distributed.executor import WorkerError
+
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=error):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - start < 30
+
+
+def assert_stopped_for_good(llm, workers) -> None:
+    """No worker is left, and the engine refuses later requests."""
+    import pytest
+
+    from ostinato import SamplingParams
+    from ostinato.distributed.executor import WorkerError
+
+    assert not any(p.is_alive() for p in workers)
+    with pytest.raises(WorkerError, match="engine has stopped"):
+        llm.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -20,7 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import child_pids, is_alive, make_hf_checkpoint
+from helpers import (
+    assert_killing_stops_the_engine,
+    assert_stopped_for_good,
+    child_pids,
+    is_alive,
+    make_hf_checkpoint,
+)
 from oracle import oracle_prompts
 
 import ostinato
@@ -248,15 +254,9 @@ def test_a_worker_killed_mid_generation_stops_the_engine_naming_its_stage(llama,
         for _ in range(4):
             engine.step()
         assert len(engine.in_flight) == 2  # batches on their way through the stages
-        os.kill(workers_of(llm)[victim - 1].pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(WorkerError, match=f"stage {victim}, .*killed by SIGKILL"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - start < 30
-        assert not any(p.is_alive() for p in workers_of(llm))
-        with pytest.raises(WorkerError, match="engine has stopped"):
-            llm.generate(["again"], GREEDY, use_tqdm=False)
+        victim_pid = workers_of(llm)[victim - 1].pid
+        assert_killing_stops_the_engine(engine, victim_pid, f"stage {victim}, .*killed by SIGKILL")
+        assert_stopped_for_good(llm, workers_of(llm))
     finally:
         engine.shutdown()
 
@@ -305,9 +305,7 @@ def test_a_worker_that_raises_mid_step_stops_the_engine_with_its_error():
         with pytest.raises(WorkerError, match=r"stage 1, tensor rank 0 \(rank 1\) failed: Index"):
             engine.executor.submit(step).result()
         assert time.monotonic() - start < 30
-        assert not any(p.is_alive() for p in workers_of(llm))
-        with pytest.raises(WorkerError, match="engine has stopped"):
-            llm.generate(["again"], GREEDY, use_tqdm=False)
+        assert_stopped_for_good(llm, workers_of(llm))
     finally:
         engine.shutdown()
 
