@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ostinato.distributed.parallel import stage_layers
+from ostinato.layout import stage_layers
 
 DTYPES = {
     "float32": torch.float32,

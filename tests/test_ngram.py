@@ -8,7 +8,7 @@ import pytest
 
 from ostinato.engine.sequence import Sequence
 from ostinato.sampling_params import SamplingParams
-from ostinato.spec.ngram import NgramProposer, propose_ngram
+from ostinato.speculative.ngram import NgramProposer, propose_ngram
 
 
 def reference(tokens: list[int], k: int, ngram_min: int, ngram_max: int) -> list[int]:

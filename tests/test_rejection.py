@@ -9,7 +9,7 @@ import torch
 from ostinato.runner.sampler import Sampler
 from ostinato.runner.step import SamplingRow
 from ostinato.sampling_params import SamplingParams
-from ostinato.spec.rejection import race
+from ostinato.speculative.rejection import race
 
 V = 5  # vocabulary: 4 degrees of freedom, whose chi-square tail has a closed form
 TARGET = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])

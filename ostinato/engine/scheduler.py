@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
 from ostinato.engine.sequence import Sequence, SequenceStatus
-from ostinato.spec import make_proposer
+from ostinato.speculative import make_proposer
 
 
 @dataclass

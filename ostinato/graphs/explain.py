@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ostinato.config import EngineConfig
-from ostinato.distributed.parallel import kv_heads_per_rank, stage_layers
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.plan import CapturePlan
+from ostinato.layout import kv_heads_per_rank, stage_layers
 
 
 def explain(config: EngineConfig, hf_config=None) -> dict:

@@ -2,7 +2,7 @@
 tensor-parallel ranks.
 
 Merging saves kernel launches, which is what a decode step is bound by. With T tensor ranks
-(distributed/parallel.py), a column-parallel projection holds 1/T of each merged part's output
+(layout.py), a column-parallel projection holds 1/T of each merged part's output
 rows, in whole heads, and a row-parallel one 1/T of its input columns: the attention and the
 MLP between them run on this rank's heads and features alone, and one all-reduce per block
 sums the partial outputs. With T = 1 both are the plain projection: the same kernels (the
@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ostinato.distributed.parallel import rank_share, tp_group
+from ostinato.distributed.parallel import tp_group
 from ostinato.kernels.gemv import gemv, gemv_pays
 from ostinato.layers.weights import Loadable, check_shape
+from ostinato.layout import rank_share
 
 
 def project(

@@ -16,10 +16,11 @@ import torch
 from ostinato.attention import get_attention_backend
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
-from ostinato.distributed.parallel import Rank, kv_heads_per_rank, stage_layers, tp_group
+from ostinato.distributed.parallel import Rank, tp_group
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+from ostinato.layout import kv_heads_per_rank, stage_layers
 from ostinato.loader import load_model
 from ostinato.lora.model import LoRAModel
 from ostinato.lora.slots import AdapterSlots

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ostinato.runner.step import SamplingRow
-from ostinato.spec.rejection import accepted_prefix, race
+from ostinato.speculative.rejection import accepted_prefix, race
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Sampler:
     A seeded request's E for the token at position i of its sequence is drawn from a generator
     seeded by (seed, i) alone, so its output depends on nothing else: not on the batch it ran in,
     the steps it took, the process that sampled it, or whether drafts were verified (a draft
-    stands when the position's sample equals it; see spec/rejection.py)."""
+    stands when the position's sample equals it; see speculative/rejection.py)."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.launch(logits, rows).result()

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from ostinato.config import EngineConfig
 from ostinato.engine.sequence import Sequence
-from ostinato.spec.ngram import NgramProposer
+from ostinato.speculative.ngram import NgramProposer
 
 
 class Proposer(Protocol):
