@@ -16,12 +16,26 @@ from ostinato.lora.adapter import BaseShapes
 from ostinato.lora.request import LoRARequest
 from ostinato.lora.slots import AdapterSlots
 from ostinato.outputs import RequestOutput
-from ostinato.runner.executor import PendingStep, create_executor
+from ostinato.runner.executor import Executor, LocalExecutor, PendingStep
 from ostinato.runner.step import StepInput
 from ostinato.sampling_params import SamplingParams
 from ostinato.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ostinato")
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down: it takes no more requests or steps."""
+
+
+def create_executor(config: EngineConfig, hf_config) -> Executor:
+    """One process for a single GPU (or CPU); worker processes for tensor or pipeline
+    parallelism."""
+    if config.world_size == 1:
+        return LocalExecutor(config, hf_config)
+    from ostinato.distributed.executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, hf_config)
 
 
 class LLMEngine:
@@ -55,6 +69,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_draft_tokens = 0  # draft tokens verified (proposed or padded)
         self.spec_accepted_tokens = 0  # of those, accepted
+        self.closed = False
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -114,6 +129,7 @@ class LLMEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
+        self.check_open()
         token_ids = self.validate(prompt, params, lora_request)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -142,6 +158,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Submit batches until every pipeline stage has one (with async scheduling: until the
         next batch is launched behind the one the device runs), then finish the oldest."""
+        self.check_open()
         while len(self.in_flight) < self.executor.max_in_flight:
             batch = self.scheduler.schedule()
             if batch is None:
@@ -269,5 +286,18 @@ class LLMEngine:
         return self.executor.failed
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if any; the engine takes no more steps."""
+        """Stop the worker processes, if any, and give back every device allocation (KV
+        cache, graphs and their pool, buffers, weights). Requests still running are dropped;
+        the engine takes no more steps. A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.in_flight.clear()
         self.executor.shutdown()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineShutdownError(
+                "this engine has been shut down (shutdown() or the end of its `with` block): "
+                "build a new one"
+            )
