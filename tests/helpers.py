@@ -177,6 +177,24 @@ def child_pids(pid: int, command_part: str = "") -> list[int]:
     return found
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid: its children, theirs, and so on."""
+    found, todo = [], [pid]
+    while todo:
+        children = child_pids(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def assert_all_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """Every one of pids ends within timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if is_alive(p)], "processes left behind"
+
+
 def is_alive(pid: int) -> bool:
     """Whether pid runs (a zombie, dead but not yet reaped, does not)."""
     try:

@@ -168,7 +168,7 @@ def test_waiting_queue_limit_and_shutdown_aborts():
 
 def test_request_error_is_500_and_stream_error_event():
     async def main():
-        app = build_app(FakeEngine(), ["fake"])
+        app = build_app(AsyncEngine(FakeEngine()), ["fake"])
         app.state.async_engine.start()  # ASGITransport runs no lifespan
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

@@ -8,7 +8,7 @@ from collections import deque
 
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
-from ostinato.engine.detokenizer import IncrementalDetokenizer
+from ostinato.engine.detokenizer import IncrementalDetokenizer, cut_at_stop
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
 from ostinato.loader import load_hf_config
@@ -38,8 +38,19 @@ def create_executor(config: EngineConfig, hf_config) -> Executor:
     return MultiprocExecutor(config, hf_config)
 
 
+def prompt_token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A prompt as token ids (text is tokenised), or a ValueError when it is empty."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one character or token id")
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only (text stays empty) and stop strings
+        are not checked; the engine-core process leaves both to the HTTP process."""
         self.hf_config = load_hf_config(config.model)
         config = config.for_model(self.hf_config)
         self.config = config
@@ -61,6 +72,7 @@ class LLMEngine:
         if config.enable_lora:
             base = BaseShapes.of(self.hf_config)
             self.lora = AdapterSlots(base, config.max_loras, config.max_lora_rank)
+        self.detokenize = detokenize
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -74,12 +86,7 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of prompt, or a ValueError naming what is wrong with it."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token id")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
+        token_ids = prompt_token_ids(self.tokenizer, prompt)
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token id")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -137,7 +144,8 @@ class LLMEngine:
         lora_name = lora_request.name if lora_request is not None else None
         seq = Sequence(request_id, token_ids, params, lora_name)
         self.requests[request_id] = seq
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        if self.detokenize:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(token_ids)
         return request_id
@@ -149,7 +157,8 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        del self.requests[seq.request_id], self.detokenizers[seq.request_id]
+        del self.requests[seq.request_id]
+        self.detokenizers.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -213,7 +222,7 @@ class LLMEngine:
     ) -> RequestOutput:
         """Append a step's tokens (accepted drafts, then the sampled one) one at a time, as
         decoding without drafts would, and stop at the first that ends the request."""
-        detok = self.detokenizers[seq.request_id]
+        detok = self.detokenizers.get(seq.request_id)
         output_ids = seq.output_token_ids  # one copy per step, shared below
         reason = None
         for i, token in enumerate(tokens):
@@ -221,21 +230,22 @@ class LLMEngine:
             output_ids.append(token)
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[i])
-            detok.update(output_ids)
+            if detok is not None:
+                detok.update(output_ids)
             reason = self._finish_reason(seq, token, detok)
             if reason is not None:
                 tokens = tokens[: i + 1]
                 break
         self.generation_tokens_total += len(tokens)
         if reason is not None:
-            if not detok.text_stopped:
+            if detok is not None and not detok.text_stopped:
                 detok.update(output_ids, final=True)
             self._end(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids,
-            text=detok.text,
+            text=detok.text if detok is not None else "",
             new_token_ids=tokens,
             finished=reason is not None,
             finish_reason=reason,
@@ -244,17 +254,13 @@ class LLMEngine:
         )
 
     def _finish_reason(
-        self, seq: Sequence, token: int, detok: IncrementalDetokenizer
+        self, seq: Sequence, token: int, detok: IncrementalDetokenizer | None
     ) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.tokenizer.eos_token_id):
             return "stop"
-        for stop in p.stop:
-            at = detok.text.find(stop)
-            if at != -1:
-                detok.text = detok.text[:at]
-                detok.text_stopped = True
-                return "stop"
+        if detok is not None and cut_at_stop(detok, p.stop):
+            return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None
