@@ -328,6 +328,9 @@ def release_memory() -> None:
     blocks back to the device so the next engine in this process can size its KV cache."""
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # cuBLAS keeps a workspace per stream, from the caching allocator: each engine's
+        # capture stream would leave one behind
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
 
 
