@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import weakref
 
 import pytest
 import torch.distributed as dist
+import zmq
+from test_async_engine import FakeEngine
 
 from ostinato import LLM, LoRARequest, SamplingParams
 from ostinato.engine import messages as m
 from ostinato.engine.async_engine import AsyncEngine, EngineClosedError
+from ostinato.engine.core import EngineCore
 from ostinato.engine.engine import EngineShutdownError
 
 CONFIG = {"model": "tiny", "device": "cpu", "max_model_len": 128, "max_num_seqs": 4}
@@ -77,3 +81,69 @@ def test_every_sampling_field_crosses_to_the_engine_process():
     assert m.input_decoder().decode(m.encoder().encode(add)) == add
     step = m.Step([m.Delta("r", [4, 5], [{4: -0.5}, {5: -1.0}], "stop", 3)])
     assert m.output_decoder().decode(m.encoder().encode(step)) == step
+
+
+class _Core:
+    """An EngineCore over a fake engine on a thread, and the HTTP process's two sockets."""
+
+    def __init__(self, engine) -> None:
+        self.context = zmq.Context()
+        self.send_socket = self.context.socket(zmq.PUSH)
+        self.send_socket.bind("inproc://input")
+        self.recv_socket = self.context.socket(zmq.PULL)
+        self.recv_socket.bind("inproc://output")
+        inputs, outputs = self.context.socket(zmq.PULL), self.context.socket(zmq.PUSH)
+        inputs.connect("inproc://input")
+        outputs.connect("inproc://output")
+        self.core = EngineCore(engine, inputs, outputs)
+        self.code: list[int] = []
+        self.thread = threading.Thread(
+            target=lambda: self.code.append(self.core.run()), daemon=True
+        )
+        self.thread.start()
+
+    def send(self, msg) -> None:
+        self.send_socket.send(m.encoder().encode(msg))
+
+    def recv(self):
+        assert self.recv_socket.poll(10_000), "the core sent nothing"
+        return m.output_decoder().decode(self.recv_socket.recv())
+
+    def close(self) -> int:
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+        self.context.destroy(linger=0)
+        return self.code[0]
+
+
+def test_engine_core_streams_deltas_and_dies_saying_why_when_a_step_fails():
+    engine = FakeEngine()
+    core = _Core(engine)
+    core.send(m.Add(1, [m.NewRequest("a", [104, 105], SamplingParams(max_tokens=3))]))
+    assert core.recv() == m.Reply(1)
+    tokens = []
+    while not tokens or tokens[-1].finish_reason is None:
+        (delta,) = core.recv().outputs
+        tokens.append(delta)
+    assert [d.new_token_ids for d in tokens] == [[97], [98], [99]]
+    assert tokens[-1].finish_reason == "length"
+    core.send(m.Add(2, [m.NewRequest("b", [1], SamplingParams(max_tokens=10**6))]))
+    assert core.recv() == m.Reply(2)
+    engine.fail_step = True
+    while not isinstance(msg := core.recv(), m.Dead):
+        pass
+    assert msg.reason == "engine error: RuntimeError: boom"
+    assert core.close() == 1
+
+
+def test_engine_core_reports_a_dead_worker_while_idle_and_stops_on_shutdown():
+    engine = FakeEngine()
+    core = _Core(engine)
+    core.send(m.Add(1, [m.NewRequest("a", [1] * 100, SamplingParams())]))
+    assert core.recv().error_kind == "invalid"  # over max_model_len: a 400, the core runs on
+    engine.failed = "pipeline stage 1 was killed by SIGKILL"
+    assert core.recv() == m.Dead("pipeline stage 1 was killed by SIGKILL")
+    assert core.close() == 1
+    core = _Core(FakeEngine())
+    core.send(m.Shutdown())
+    assert core.close() == 0
