@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch.distributed as dist
 import zmq
-from test_async_engine import FakeEngine
+from helpers import FakeEngine
 
 from ostinato import LLM, LoRARequest, SamplingParams
 from ostinato.engine import messages as m
