@@ -96,10 +96,11 @@ capture)
 serve)
   model=${2:?model}
   info | tee "$OUT/env.txt"
-  # the GPU image has no fastapi/uvicorn: wheels travel in .whl (WHEELS to point elsewhere), or
-  # are unpacked beforehand into a directory on PYTHONPATH
-  python3 -c "import fastapi, uvicorn" 2>/dev/null ||
-    python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn || exit 1
+  # the GPU image has no fastapi/uvicorn/pyzmq/msgspec: wheels travel in .whl (WHEELS to point
+  # elsewhere), or are unpacked beforehand into a directory on PYTHONPATH
+  python3 -c "import fastapi, uvicorn, zmq, msgspec" 2>/dev/null ||
+    python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn pyzmq msgspec ||
+    exit 1
   for mode in ${SERVE_MODES:-none piecewise full_and_piecewise}; do
     for sched in ${SERVE_ASYNC:-auto}; do  # SERVE_ASYNC="on off": async scheduling A/B
       # --logprobs 0: a chunk per token (a random preset's tokens have no text to stream)

@@ -10,12 +10,12 @@ import itertools
 import json
 import tempfile
 import time
-from collections.abc import Callable
 
 import torch
 
 from ostinato.config import EngineConfig
 from ostinato.engine.engine import LLMEngine
+from ostinato.engine_args import add_engine_args, async_scheduling, engine_config
 from ostinato.lora.adapter import BaseShapes, write_random_adapter
 from ostinato.lora.request import LoRARequest
 from ostinato.models.llama import head_dim
@@ -23,7 +23,7 @@ from ostinato.models.registry import get_model_class
 from ostinato.sampling_params import SamplingParams
 
 
-def add_bench_parser(sub, add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def add_bench_parser(sub) -> None:
     from ostinato import bench_serve
 
     bench = sub.add_parser("bench", help="measure latency, throughput, start-up or a server")
@@ -105,8 +105,6 @@ def _count_list(text: str) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from ostinato.cli import async_scheduling, engine_config
-
     # --cuda-graph-mode, --cuda-graph-capture and --async-scheduling may list several values:
     # every combination runs, one after another in this process.
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None

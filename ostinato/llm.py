@@ -16,12 +16,31 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """The offline engine, in this process. Release it with shutdown() or a `with` block:
+
+        with LLM(model="tiny") as llm:
+            outs = llm.generate(["Hello"])
+
+    Afterwards every GPU allocation (KV cache, graphs and their pool, buffers, weights) and
+    every worker process is gone, so a new engine in this process gets the full budget."""
+
     def __init__(
         self, model: str = "tiny", *, config: EngineConfig | None = None, **kwargs
     ) -> None:
         """Build the engine from keyword arguments (see EngineConfig) or a ready config."""
         self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the workers and give back every device allocation; a second call does
+        nothing, and generate() afterwards raises EngineShutdownError."""
+        self.engine.shutdown()
 
     def generate(
         self,
@@ -36,6 +55,7 @@ class LLM:
         Every prompt is checked before any is queued, so a bad one (or a bad adapter) raises
         ValueError and leaves the engine as it was.
         """
+        self.engine.check_open()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params or SamplingParams(), SamplingParams, prompts)

@@ -7,88 +7,12 @@ import time
 
 import httpx
 import pytest
+from helpers import FakeEngine
 
-from ostinato.config import EngineConfig
 from ostinato.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 from ostinato.server.app import build_app
-
-
-class ByteTokenizer:
-    eos_token_id = 0
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode(errors="replace")
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<a>")
-
-
-class FakeEngine:
-    """Emits 'a', 'b', ... one token per step; the first max_num_seqs requests run, the rest wait.
-
-    `fail_step` makes the next step raise; a prompt containing "FAIL" ends with an error output.
-    """
-
-    def __init__(self, **config) -> None:
-        self.config = EngineConfig(device="cpu", max_model_len=64, **config)
-        self.tokenizer = ByteTokenizer()
-        self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
-        self.fail_step = False
-        self.failed: str | None = None  # set: the engine stopped for good
-        self.shut_down = False
-
-    def shutdown(self) -> None:
-        self.shut_down = True
-
-    def add_request(
-        self, prompt, params: SamplingParams, request_id: str | None = None, lora_request=None
-    ) -> str:
-        assert lora_request is None  # the async engine passes it through
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if len(ids) > self.config.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens, over max_model_len")
-        self.requests[request_id] = (ids, params, [])
-        return request_id
-
-    def abort_request(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(0.001)
-        if self.fail_step:
-            self.fail_step = False
-            raise RuntimeError("boom")
-        running = list(self.requests.items())[: self.config.max_num_seqs]
-        return [self._advance(rid, *req) for rid, req in running]
-
-    def _advance(self, rid: str, ids: list[int], params: SamplingParams, toks: list[int]):
-        toks.append(ord("a") + len(toks) % 26)
-        failed = b"FAIL" in bytes(ids)
-        done = failed or len(toks) >= params.max_tokens
-        if done:
-            del self.requests[rid]
-        reason = ("error" if failed else "length") if done else None
-        return RequestOutput(
-            rid, ids, list(toks), self.tokenizer.decode(toks), [toks[-1]], done, reason,
-            "cannot encode stop string" if failed else None,
-        )  # fmt: skip
-
-    def stats(self) -> dict:
-        n = len(self.requests)
-        running = min(n, self.config.max_num_seqs)
-        return {"num_running": running, "num_waiting": n - running, "kv_blocks_total": 8}
-
-    def graph_report(self) -> dict:
-        return {}
 
 
 async def _started(engine: FakeEngine) -> AsyncEngine:
@@ -168,7 +92,7 @@ def test_waiting_queue_limit_and_shutdown_aborts():
 
 def test_request_error_is_500_and_stream_error_event():
     async def main():
-        app = build_app(FakeEngine(), ["fake"])
+        app = build_app(AsyncEngine(FakeEngine()), ["fake"])
         app.state.async_engine.start()  # ASGITransport runs no lifespan
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:

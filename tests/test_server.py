@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import child_pids, is_alive
+from helpers import assert_all_gone, child_pids, descendants
 
 from ostinato import LLM, SamplingParams
 from ostinato.config import EngineConfig
@@ -282,6 +282,7 @@ def test_queue_limit_503_then_sigterm_aborts_and_exits_zero(tmp_path):
             r = client.post("/v1/completions", json={"model": "tiny", "prompt": "third"})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert "waiting" in r.json()["error"]["message"]
+            below = descendants(srv.proc.pid)
             srv.proc.send_signal(signal.SIGTERM)
             for stream in (running, waiting):
                 lines = [x for x in stream if x.startswith("data: ")]
@@ -290,20 +291,53 @@ def test_queue_limit_503_then_sigterm_aborts_and_exits_zero(tmp_path):
         assert srv.proc.wait(timeout=20) == 0
     finally:
         srv.stop()
+    assert_all_gone(below)
+
+
+def _engine_process(srv: Server) -> int:
+    """The pid of the server's engine-core process."""
+    (core,) = child_pids(srv.proc.pid, "spawn_main")
+    return core
+
+
+def test_engine_process_killed_mid_stream_503s_and_exit(tmp_path):
+    """SIGKILL the engine-core process while three streams run: each stream ends with an
+    error naming it, a new request and /health answer 503, the server exits non-zero by itself
+    and no process is left behind."""
+    srv = Server(_flags(CONFIG | {"max_model_len": 4096}), tmp_path / "server.log")
+    below = descendants(srv.proc.pid)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as client:
+            streams = [_open_stream(client, f"stream {i}") for i in range(3)]
+            for stream in streams:
+                next(stream)  # its first token: it runs
+            os.kill(_engine_process(srv), signal.SIGKILL)
+            for stream in streams:
+                lines = [x for x in stream if x.startswith("data: ")]
+                assert lines[-1] == "data: [DONE]"
+                error = json.loads(lines[-2][6:])["error"]
+                assert "engine process was killed by SIGKILL" in error["message"], error
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": "again"})
+            assert r.status_code == 503 and "SIGKILL" in r.json()["error"]["message"]
+            assert client.get("/health").status_code == 503
+        assert srv.proc.wait(timeout=30) == 1, srv.log.read_text()
+    finally:
+        srv.stop()
+    assert_all_gone(below)
 
 
 def test_a_pipelined_server_answers_as_one_process_and_reports_a_dead_worker(tmp_path, llm):
     """--pipeline-parallel-size 2: the same text as one process; a worker killed between
-    requests makes /health and every request answer 503 naming it; SIGTERM still exits 0,
-    with no process left behind."""
+    requests makes /health and every request answer 503 naming it, then the server exits
+    non-zero, with no process left behind."""
     srv = Server([*_flags(CONFIG), "--pipeline-parallel-size", "2"], tmp_path / "server.log")
-    children = child_pids(srv.proc.pid)
+    below = descendants(srv.proc.pid)
     try:
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0}
         with httpx.Client(base_url=srv.url, timeout=60) as client:
             r = client.post("/v1/completions", json=body | EXACT)
             assert r.json()["choices"][0]["text"] == _greedy(llm, PROMPTS[:1], 8)[0]
-            (worker,) = child_pids(srv.proc.pid, "spawn_main")
+            (worker,) = child_pids(_engine_process(srv), "spawn_main")
             os.kill(worker, signal.SIGKILL)
             deadline = time.monotonic() + 10
             while client.get("/health").status_code == 200 and time.monotonic() < deadline:
@@ -313,13 +347,10 @@ def test_a_pipelined_server_answers_as_one_process_and_reports_a_dead_worker(tmp
             r = client.post("/v1/completions", json=body)
             assert r.status_code == 503
             assert "stage 1, tensor rank 0 (rank 1) was killed by SIGKILL" in r.text
-        assert srv.stop() == 0, srv.log.read_text()
+        assert srv.proc.wait(timeout=30) == 1, srv.log.read_text()
     finally:
         srv.stop()
-    deadline = time.monotonic() + 10
-    while any(is_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in children if is_alive(p)]
+    assert_all_gone(below)
 
 
 @pytest.fixture(scope="module")

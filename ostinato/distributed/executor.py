@@ -159,17 +159,21 @@ class MultiprocExecutor:
         return {**own, "stages": stages}
 
     def shutdown(self) -> None:
-        """Stop the workers. Steps still in flight finish first (the last stage's result of
-        each is taken, so no rank waits on an unread message), then every rank leaves."""
-        if self.failed is None and self._closer.alive:
-            try:
-                while self._unresolved:
-                    self.receive()
-            except BaseException:  # _fail has closed everything
-                if self.failed is None:
-                    raise
-                return
-        self._closer()
+        """Stop the workers and give back this rank's device memory. Steps still in flight
+        finish first (the last stage's result of each is taken, so no rank waits on an unread
+        message), then every rank leaves. A second call does nothing."""
+        try:
+            if self.failed is None and self._closer.alive:
+                try:
+                    while self._unresolved:
+                        self.receive()
+                except BaseException:  # _fail has closed everything
+                    if self.failed is None:
+                        raise
+            self._closer()
+        finally:
+            if self.runner.model is not None:
+                self.runner.close()
 
     # ---- failures ------------------------------------------------------------------------
     @property

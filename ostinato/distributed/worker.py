@@ -80,7 +80,7 @@ def serve(world: World, runner: ModelRunner) -> None:
 def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent: int) -> None:
     """A spawned worker's entry point (also a torchrun rank's, with meet None, parent 0)."""
     if parent:
-        _die_with(parent)
+        die_with(parent)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver stops us; Ctrl-C is its
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s: %(message)s")
     if not config.is_cuda:  # ranks on one machine share its cores
@@ -107,7 +107,7 @@ def _leave_error(rank: int, text: str) -> None:
         store.set(ERROR_KEY.format(rank=rank), text)
 
 
-def _die_with(parent: int) -> None:
+def die_with(parent: int) -> None:
     """Ask Linux to kill this process when the driver dies, however it dies."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

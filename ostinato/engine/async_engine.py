@@ -104,6 +104,22 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    def register_lora(self, adapter: LoRARequest) -> str | None:
+        """Check an adapter before the engine thread starts (ValueError naming the problem)."""
+        return self.engine.register_lora(adapter)
+
+    async def stats_and_report(self) -> tuple[dict, dict]:
+        engine = self.engine
+        return await self.call(lambda: (engine.stats(), engine.graph_report()))
+
+    @property
     def is_running(self) -> bool:
         alive = self._thread is not None and self._thread.is_alive() and not self._stopped
         return alive and self.engine.failed is None

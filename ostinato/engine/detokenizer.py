@@ -28,3 +28,14 @@ class IncrementalDetokenizer:
         self.text += new
         self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
         return new
+
+
+def cut_at_stop(detok: IncrementalDetokenizer, stops: list[str]) -> bool:
+    """Cut detok's text at the first stop string it holds; True when one was found."""
+    for stop in stops:
+        at = detok.text.find(stop)
+        if at != -1:
+            detok.text = detok.text[:at]
+            detok.text_stopped = True
+            return True
+    return False

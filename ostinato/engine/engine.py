@@ -8,7 +8,7 @@ from collections import deque
 
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
-from ostinato.engine.detokenizer import IncrementalDetokenizer
+from ostinato.engine.detokenizer import IncrementalDetokenizer, cut_at_stop
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
 from ostinato.loader import load_hf_config
@@ -16,7 +16,7 @@ from ostinato.lora.adapter import BaseShapes
 from ostinato.lora.request import LoRARequest
 from ostinato.lora.slots import AdapterSlots
 from ostinato.outputs import RequestOutput
-from ostinato.runner.executor import PendingStep, create_executor
+from ostinato.runner.executor import Executor, LocalExecutor, PendingStep
 from ostinato.runner.step import StepInput
 from ostinato.sampling_params import SamplingParams
 from ostinato.tokenizer import load_tokenizer
@@ -24,8 +24,33 @@ from ostinato.tokenizer import load_tokenizer
 logger = logging.getLogger("ostinato")
 
 
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down: it takes no more requests or steps."""
+
+
+def create_executor(config: EngineConfig, hf_config) -> Executor:
+    """One process for a single GPU (or CPU); worker processes for tensor or pipeline
+    parallelism."""
+    if config.world_size == 1:
+        return LocalExecutor(config, hf_config)
+    from ostinato.distributed.executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, hf_config)
+
+
+def prompt_token_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    """A prompt as token ids (text is tokenised), or a ValueError when it is empty."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty: give at least one character or token id")
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """detokenize=False: outputs carry token ids only (text stays empty) and stop strings
+        are not checked; the engine-core process leaves both to the HTTP process."""
         self.hf_config = load_hf_config(config.model)
         config = config.for_model(self.hf_config)
         self.config = config
@@ -47,6 +72,7 @@ class LLMEngine:
         if config.enable_lora:
             base = BaseShapes.of(self.hf_config)
             self.lora = AdapterSlots(base, config.max_loras, config.max_lora_rank)
+        self.detokenize = detokenize
         self.requests: dict[str, Sequence] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -55,16 +81,12 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.spec_draft_tokens = 0  # draft tokens verified (proposed or padded)
         self.spec_accepted_tokens = 0  # of those, accepted
+        self.closed = False
 
     # ---- requests ----------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids of prompt, or a ValueError naming what is wrong with it."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token id")
-            token_ids = self.tokenizer.encode(prompt)
-        else:
-            token_ids = list(prompt)
+        token_ids = prompt_token_ids(self.tokenizer, prompt)
         if not token_ids:
             raise ValueError("prompt is empty: give at least one token id")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -114,6 +136,7 @@ class LLMEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
+        self.check_open()
         token_ids = self.validate(prompt, params, lora_request)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -121,7 +144,8 @@ class LLMEngine:
         lora_name = lora_request.name if lora_request is not None else None
         seq = Sequence(request_id, token_ids, params, lora_name)
         self.requests[request_id] = seq
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
+        if self.detokenize:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
         self.prompt_tokens_total += len(token_ids)
         return request_id
@@ -133,7 +157,8 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        del self.requests[seq.request_id], self.detokenizers[seq.request_id]
+        del self.requests[seq.request_id]
+        self.detokenizers.pop(seq.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -142,6 +167,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Submit batches until every pipeline stage has one (with async scheduling: until the
         next batch is launched behind the one the device runs), then finish the oldest."""
+        self.check_open()
         while len(self.in_flight) < self.executor.max_in_flight:
             batch = self.scheduler.schedule()
             if batch is None:
@@ -196,7 +222,7 @@ class LLMEngine:
     ) -> RequestOutput:
         """Append a step's tokens (accepted drafts, then the sampled one) one at a time, as
         decoding without drafts would, and stop at the first that ends the request."""
-        detok = self.detokenizers[seq.request_id]
+        detok = self.detokenizers.get(seq.request_id)
         output_ids = seq.output_token_ids  # one copy per step, shared below
         reason = None
         for i, token in enumerate(tokens):
@@ -204,21 +230,22 @@ class LLMEngine:
             output_ids.append(token)
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[i])
-            detok.update(output_ids)
+            if detok is not None:
+                detok.update(output_ids)
             reason = self._finish_reason(seq, token, detok)
             if reason is not None:
                 tokens = tokens[: i + 1]
                 break
         self.generation_tokens_total += len(tokens)
         if reason is not None:
-            if not detok.text_stopped:
+            if detok is not None and not detok.text_stopped:
                 detok.update(output_ids, final=True)
             self._end(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=output_ids,
-            text=detok.text,
+            text=detok.text if detok is not None else "",
             new_token_ids=tokens,
             finished=reason is not None,
             finish_reason=reason,
@@ -227,17 +254,13 @@ class LLMEngine:
         )
 
     def _finish_reason(
-        self, seq: Sequence, token: int, detok: IncrementalDetokenizer
+        self, seq: Sequence, token: int, detok: IncrementalDetokenizer | None
     ) -> str | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.tokenizer.eos_token_id):
             return "stop"
-        for stop in p.stop:
-            at = detok.text.find(stop)
-            if at != -1:
-                detok.text = detok.text[:at]
-                detok.text_stopped = True
-                return "stop"
+        if detok is not None and cut_at_stop(detok, p.stop):
+            return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None
@@ -269,5 +292,18 @@ class LLMEngine:
         return self.executor.failed
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if any; the engine takes no more steps."""
+        """Stop the worker processes, if any, and give back every device allocation (KV
+        cache, graphs and their pool, buffers, weights). Requests still running are dropped;
+        the engine takes no more steps. A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.in_flight.clear()
         self.executor.shutdown()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise EngineShutdownError(
+                "this engine has been shut down (shutdown() or the end of its `with` block): "
+                "build a new one"
+            )

@@ -108,6 +108,12 @@ class GraphRunner:
         self._buffers: Buffers | None = None
         self._addresses: dict[str, int] = {}
 
+    def close(self) -> None:
+        """Drop every graph, the pool they share and the side stream; counters stay."""
+        for graphs in self.graphs.values():
+            graphs.clear()
+        self._pool = self._stream = self._forward_fn = self._buffers = None
+
     @property
     def mode(self) -> CudaGraphMode:
         return self.resolution.resolved

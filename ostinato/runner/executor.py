@@ -1,5 +1,5 @@
 """The model executor: what the engine drives, whether the model lives in this process or is
-split over worker processes (ostinato.distributed)."""
+split over worker processes (ostinato.distributed.executor; the engine picks one)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ class Executor(Protocol):
 
     def graph_report(self) -> dict: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop any worker and give back every device allocation; idempotent."""
 
 
 class Deferred:
@@ -56,14 +57,6 @@ class LocalExecutor:
         return self.runner.graph_report()
 
     def shutdown(self) -> None:
-        pass
-
-
-def create_executor(config: EngineConfig, hf_config) -> Executor:
-    """One process for a single GPU (or CPU); worker processes for tensor or pipeline
-    parallelism."""
-    if config.world_size == 1:
-        return LocalExecutor(config, hf_config)
-    from ostinato.distributed.executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, hf_config)
+        """Give back the runner's device memory; a second call does nothing."""
+        if self.runner.model is not None:
+            self.runner.close()

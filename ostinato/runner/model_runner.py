@@ -8,6 +8,7 @@ buffers, the last stage computes logits and its first tensor rank samples.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Protocol
 
@@ -103,6 +104,16 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         if self.graphs.mode is not CudaGraphMode.NONE:
             self.graphs.capture(self._forward_desc, self._fill_dummy_desc, self._graph_inputs)
+
+    def close(self) -> None:
+        """Give back every device allocation: graphs and their pool, KV cache, persistent
+        buffers, weights. The runner takes no more steps; its graph report stays readable."""
+        if self.config.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.graphs.close()
+        self.kv_caches = []
+        self.model = self.lora = self.buffers = self.intermediate = self.last_sampled = None
+        release_memory()
 
     def _graph_inputs(self) -> dict[str, torch.Tensor]:
         """Every persistent buffer a graph reads: the step's, and a later stage's intermediates
@@ -310,6 +321,17 @@ class ModelRunner:
         if self.rank.is_last_stage:
             rows = min(num_tokens, num_reqs * (1 + self.config.num_speculative_tokens))
             self.model.compute_logits(out[:rows]).float().softmax(dim=-1)
+
+
+def release_memory() -> None:
+    """Free what was dropped now, not when the cycle collector next runs, and hand the cached
+    blocks back to the device so the next engine in this process can size its KV cache."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # cuBLAS keeps a workspace per stream, from the caching allocator: each engine's
+        # capture stream would leave one behind
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
 
 
 def _rows(x: StageOutput, n: int) -> StageOutput:

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API over an AsyncEngine."""
+"""The OpenAI-compatible HTTP API over an engine client: the engine-core process's
+(EngineCoreClient, what `ostinato serve` runs) or an in-process AsyncEngine."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from ostinato.server.protocol import (
 )
 
 if TYPE_CHECKING:
-    from ostinato.engine.engine import LLMEngine
+    from ostinato.engine.core_client import EngineCoreClient
+
+    EngineClient = AsyncEngine | EngineCoreClient
 
 RETRY_AFTER_SECONDS = 1
 FAILED = ("error", "abort")  # finish reasons that end a call with an error, not a choice
@@ -136,13 +139,14 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineClient,
         served_model_names: list[str],
         adapters: Sequence[LoRARequest] = (),
     ) -> None:
         """adapters: LoRA adapters clients name as `model`; each is checked here (ValueError)."""
         self.metrics = ServerMetrics()
-        self.engine = AsyncEngine(engine, on_finish=self.metrics.observe_finish)
+        self.engine = engine
+        engine.on_finish = self.metrics.observe_finish
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.config.max_model_len
         self.model_names = served_model_names
@@ -197,8 +201,7 @@ class OpenAIServer:
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
-        engine = self.engine.engine
-        stats, report = await self.engine.call(lambda: (engine.stats(), engine.graph_report()))
+        stats, report = await self.engine.stats_and_report()
         return Response(self.metrics.render(stats, report), media_type=CONTENT_TYPE)
 
     def _check_model(self, model: str) -> LoRARequest | None:
@@ -354,10 +357,11 @@ def _closed(_: Request, exc: EngineClosedError) -> JSONResponse:
 
 
 def build_app(
-    engine: LLMEngine, served_model_names: list[str], adapters: Sequence[LoRARequest] = ()
+    engine: EngineClient, served_model_names: list[str], adapters: Sequence[LoRARequest] = ()
 ) -> FastAPI:
-    """The app; its lifespan starts and stops the engine loop (app.state.async_engine).
-    `adapters`: LoRA adapters clients pick by name as `model`, checked here (ValueError)."""
+    """The app over an engine client; its lifespan starts and stops it
+    (app.state.async_engine). `adapters`: LoRA adapters clients pick by name as `model`,
+    checked here (ValueError)."""
     server = OpenAIServer(engine, served_model_names, adapters)
 
     @asynccontextmanager

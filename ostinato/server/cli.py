@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import signal
@@ -15,13 +16,16 @@ import uvicorn
 from ostinato.config import EngineConfig
 
 if TYPE_CHECKING:
-    from ostinato.engine.async_engine import AsyncEngine
+    from ostinato.engine.core_client import EngineCoreClient
+
+DEAD_GRACE_SECONDS = 3.0  # after the engine process died: 503s with the reason, then exit 1
 
 
 def serve(config: EngineConfig, args: argparse.Namespace) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, and return the exit status."""
+    """Start the engine-core process, serve until SIGINT/SIGTERM (0) or until the engine
+    process dies (1), and return the exit status."""
     # Imported here: every ostinato command builds this parser, only serve needs the app.
-    from ostinato.engine.engine import LLMEngine
+    from ostinato.engine.core_client import EngineCoreClient
     from ostinato.lora.request import LoRARequest
     from ostinato.server.app import build_app
 
@@ -30,25 +34,35 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     if args.lora_modules:
         config = dataclasses.replace(config, enable_lora=True)
     adapters = [LoRARequest(name, path) for name, path in args.lora_modules]
-    engine = LLMEngine(config)
+    engine = EngineCoreClient(config, adapters)
     try:
         app = build_app(engine, args.served_model_name or [config.model], adapters)
-    except ValueError:  # a bad --lora-modules entry: stop the workers, if any, before exiting
-        engine.shutdown()
-        raise
-    uv_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
-    )
-    _Server(uv_config, app.state.async_engine).run()
-    return 0
+        uv_config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
+        )
+        server = _Server(uv_config, engine)
+        server.run()
+    finally:  # the lifespan stops the engine; this covers a server that never started
+        engine.close()
+    return server.exit_code
 
 
 class _Server(uvicorn.Server):
-    """Aborts every request as shutdown begins, and exits 0 on SIGINT/SIGTERM."""
+    """Aborts every request as shutdown begins, and exits 0 on SIGINT/SIGTERM; when the engine
+    process dies, answers 503 for DEAD_GRACE_SECONDS (so clients read why) and exits 1."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineCoreClient) -> None:
         super().__init__(config)
         self.engine = engine
+        self.exit_code = 0
+        engine.on_dead = self._engine_died
+
+    def _engine_died(self, reason: str) -> None:
+        self.exit_code = 1
+        asyncio.get_running_loop().call_later(DEAD_GRACE_SECONDS, self._exit)
+
+    def _exit(self) -> None:
+        self.should_exit = True
 
     async def shutdown(self, sockets: list | None = None) -> None:
         # Streams end at once with an abort, so uvicorn's wait for open connections is short.
