@@ -9,10 +9,13 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ostinato.config import EngineConfig
 from ostinato.distributed.pipeline import PipelineLink
@@ -23,6 +26,8 @@ from ostinato.runner.step import StepInput
 
 logger = logging.getLogger("ostinato")
 ERROR_KEY = "ostinato/error/{rank}"  # a failing worker leaves its traceback here
+BEAT_KEY = "ostinato/beat/{rank}"  # a serving worker's heartbeat counter
+BEAT_S = 0.5  # seconds between heartbeats
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ def stage_report(world: World, runner: ModelRunner) -> dict:
 def serve(world: World, runner: ModelRunner) -> None:
     """Run rank 0's messages in order until Shutdown."""
     me, channel = world.rank.rank, world.channel
+    _start_heartbeat(me)
     while True:
         msg = channel.recv(0)
         if isinstance(msg, StepInput):
@@ -96,6 +102,35 @@ def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent
         sys.stderr.flush()
         os._exit(1)  # tearing down groups whose peers wait on us could hang: just go
     leave()
+
+
+def _start_heartbeat(rank: int) -> None:
+    """Count up BEAT_KEY every BEAT_S seconds while this process runs, so the driver can tell
+    a rank that stopped answering (stopped, hung with the interpreter blocked) from one that
+    only waits on it."""
+    store = current_store()
+    if store is None:
+        return
+
+    def beat() -> None:
+        with contextlib.suppress(RuntimeError):  # the store went with the driver
+            while True:
+                store.add(BEAT_KEY.format(rank=rank), 1)
+                time.sleep(BEAT_S)
+
+    threading.Thread(target=beat, name="ostinato-heartbeat", daemon=True).start()
+
+
+def silent_ranks(store: dist.Store, ranks: range, listen: float = 3 * BEAT_S) -> list[int]:
+    """The ranks whose heartbeat did not move for `listen` seconds: they stopped answering
+    (a rank that never beat, still starting up, is not counted)."""
+    keys = {rank: BEAT_KEY.format(rank=rank) for rank in ranks}
+    try:
+        before = {rank: store.add(key, 0) for rank, key in keys.items()}
+        time.sleep(listen)
+        return [r for r, key in keys.items() if 0 < before[r] == store.add(key, 0)]
+    except RuntimeError:  # the store is gone: nothing to tell
+        return []
 
 
 def _leave_error(rank: int, text: str) -> None:

@@ -16,7 +16,7 @@ import torch
 from ostinato.attention import get_attention_backend
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
-from ostinato.distributed.parallel import Rank, tp_group
+from ostinato.distributed.parallel import Rank, startup_timeout, tp_group
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
@@ -66,6 +66,11 @@ class ModelRunner:
             hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition
         )[self.rank.pp_rank]
         self.model = load_model(config, hf_config, (layers.start, layers.stop))
+        # the stage's first large collectives follow (the KV sizing's peak step): wait for
+        # the stage's slowest loader here, under a start-up deadline, not inside them
+        tp_group().wait_for_peers(startup_timeout(config.distributed_timeout))
+        # host waits on the device get a deadline when a peer may leave the device waiting
+        device_timeout = config.distributed_timeout if config.world_size > 1 else None
         self.lora = None
         if config.enable_lora:  # slot buffers now, so the KV sizing counts them as weights
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
@@ -79,6 +84,7 @@ class ModelRunner:
             self.max_blocks,
             self.device,
             config.max_loras if config.enable_lora else 0,
+            device_timeout,
         )
         self.intermediate = None
         if not self.rank.is_first_stage:  # received into here; graphs captured these addresses
@@ -89,9 +95,9 @@ class ModelRunner:
         self.static_bytes = (
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
-        self.sampler = Sampler()
+        self.sampler = Sampler(device_timeout)
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
-        self.graphs = GraphRunner(config)
+        self.graphs = GraphRunner(config, tp_group().agree_max)
         self.kv_caches: list = []
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
