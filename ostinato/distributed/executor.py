@@ -70,7 +70,8 @@ class MultiprocExecutor:
                 "(LLMEngine.shutdown())"
             )
         self.config = config
-        self.max_in_flight = config.pipeline_parallel_size
+        # one batch per stage, and with async scheduling one more launched behind them
+        self.max_in_flight = config.pipeline_parallel_size + bool(config.async_scheduling)
         self.workers: Workers | None = None
         self._failed: str | None = None  # set once the engine stopped after a failure
         self._unresolved: deque[RemoteStep] = deque()

@@ -53,7 +53,8 @@ class Report:
 
 def load_stage(world: World, hf_config) -> ModelRunner:
     """Load this rank's stage, agree with every rank on the KV block count, capture graphs."""
-    runner = ModelRunner(world.config, hf_config, world.rank, PipelineLink(world.rank))
+    link = PipelineLink(world.rank)
+    runner = ModelRunner(world.config, hf_config, world.rank, link, world.samples)
     runner.start(world.agree_on_min(runner.num_blocks))
     return runner
 

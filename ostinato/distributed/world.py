@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ostinato.config import EngineConfig
 from ostinato.distributed.channel import Channel
 from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group, startup_timeout
+from ostinato.distributed.pipeline import SampleShare
 
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # the engine aborts, not PyTorch
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # a worker waits this long for its next step
@@ -49,6 +50,7 @@ class World:
     config: EngineConfig  # the engine's, with this rank's device
     channel: Channel  # control messages (driver <-> workers)
     groups: list[dist.ProcessGroup]  # the ones carrying device work, for abort()
+    samples: SampleShare | None = None  # async scheduling: this rank sends or needs samples
 
     @property
     def sampling_rank(self) -> int:
@@ -132,10 +134,19 @@ def join(
             tp = TPGroup(me.tp_rank, me.tp_size, group, control_of_stage)
             groups.append(group)
     set_tp_group(tp)
+    samples = _sample_share(me, timeout) if config.async_scheduling else None
     # NCCL creates a group's communicator at its first collective, which must not happen
     # inside a CUDA graph capture (the layers' all-reduces are captured): create it now
     tp.all_reduce(torch.zeros(1, device=device))
-    return World(me, config, Channel(control), groups)
+    return World(me, config, Channel(control), groups, samples)
+
+
+def _sample_share(me: Rank, timeout: datetime.timedelta) -> SampleShare | None:
+    """The group from the sampling rank to the first stage's ranks (every rank makes it)."""
+    source = (me.pp_size - 1) * me.tp_size
+    members = sorted({*range(me.tp_size), source})
+    group = dist.new_group(members, timeout=timeout)
+    return SampleShare(me, group, source) if me.rank in members else None
 
 
 def _check_agreement(config: EngineConfig, me: Rank, control: dist.ProcessGroup) -> None:

@@ -43,6 +43,17 @@ class StageLink(Protocol):
     def send(self, out: IntermediateTensors) -> None: ...
 
 
+class SampleLink(Protocol):
+    """Async scheduling with several processes: the sampled tokens of every step, from the
+    sampling rank to the first stage's ranks (their next step's placeholders)."""
+
+    is_src: bool
+
+    def share(self, rows: int, tokens: torch.Tensor | None, device: torch.device) -> None: ...
+
+    def latest(self) -> torch.Tensor: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -50,11 +61,14 @@ class ModelRunner:
         hf_config,
         rank: Rank | None = None,
         link: StageLink | None = None,
+        samples: SampleLink | None = None,
     ) -> None:
         """Loads this rank's stage and measures how many KV blocks fit (num_blocks). The
-        KV cache and graphs come in start(), once every rank agreed on the block count."""
+        KV cache and graphs come in start(), once every rank agreed on the block count.
+        samples: this rank's part in sharing sampled tokens (async scheduling over several
+        processes; None when it neither samples for nor embeds after another rank)."""
         self.config, self.hf_config = config, hf_config
-        self.rank, self.link = rank or Rank(), link
+        self.rank, self.link, self.samples = rank or Rank(), link, samples
         self.device = torch.device(config.device)
         if config.is_cuda:
             if self.device.index is None:
@@ -217,8 +231,8 @@ class ModelRunner:
         for load in step.lora_loads:  # this rank's layers of each adapter, into fixed slots
             self.lora.load(load.slot, load.path)
         self.buffers.load(step)
-        if step.placeholder_tokens is not None:
-            self.buffers.fill_placeholders(step, self.last_sampled.tokens)
+        if step.placeholder_tokens is not None and self.rank.is_first_stage:  # it embeds them
+            self.buffers.fill_placeholders(step, self._sampled_before())
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
         if self.intermediate is not None:
             self.link.recv(self._intermediate(num_tokens))
@@ -231,14 +245,27 @@ class ModelRunner:
                 self._check_graph(step, out)
         if not self.rank.is_last_stage:
             self.link.send(_rows(out, num_tokens))
+            self._share(step, None)
             return None
         if not step.sampling:
             return None
         logits = self._logits(out, len(step.logits_indices))
         if tp_group().rank != 0:
+            self._share(step, None)
             return None
         self.last_sampled = self.sampler.launch(logits, step.sampling)
+        self._share(step, self.last_sampled.tokens)
         return self.last_sampled
+
+    def _share(self, step: StepInput, tokens: torch.Tensor | None) -> None:
+        if self.samples is not None and step.sampling:
+            self.samples.share(len(step.logits_indices), tokens, self.device)
+
+    def _sampled_before(self) -> torch.Tensor:
+        """The tokens the step before sampled: this rank's own, or the sampling rank's."""
+        if self.samples is None or self.samples.is_src:
+            return self.last_sampled.tokens
+        return self.samples.latest()
 
     def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_rows]])
