@@ -26,9 +26,9 @@ PARAMS = [
 ]  # fmt: skip
 
 
-def run(async_scheduling: bool, **parallel) -> tuple[list[tuple], int, int]:
+def run(async_scheduling: bool, **parallel) -> tuple[list[tuple], int, int, int]:
     """Outputs; the most steps in flight at once; the steps launched with an input token
-    still being sampled by the step before them."""
+    still being sampled by the step before them; the draft tokens verified."""
     llm = LLM("tiny", async_scheduling=async_scheduling, **ENGINE, **parallel)
     engine, seen = llm.engine, {"most": 0, "placeholders": 0}
     submit = engine.executor.submit
@@ -41,10 +41,11 @@ def run(async_scheduling: bool, **parallel) -> tuple[list[tuple], int, int]:
     engine.executor.submit = counting
     try:
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        drafts = engine.stats()["spec_draft_tokens"]
     finally:
         engine.shutdown()
     got = [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
-    return got, seen["most"], seen["placeholders"]
+    return got, seen["most"], seen["placeholders"], drafts
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +64,19 @@ def synchronous() -> list[tuple]:
     ids=lambda p: "x".join(f"{k[0].upper()}={v}" for k, v in p.items()),
 )
 def test_async_over_several_processes_equals_the_synchronous_engine(parallel, synchronous):
-    got, most_in_flight, overlapped = run(True, **parallel)
+    got, most_in_flight, overlapped, _ = run(True, **parallel)
     assert_same(got, synchronous)
     stages = parallel.get("pipeline_parallel_size", 1)
     assert most_in_flight == stages + 1  # a batch per stage, and one launched behind them
     assert overlapped > 5  # steps really launched before the tokens they embed were back
+
+
+def test_async_pipeline_with_speculative_decoding_equals_the_synchronous_engine(synchronous):
+    """Greedy and seeded requests decode the same tokens with and without drafts."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 2}
+    got, most_in_flight, overlapped, drafts = run(True, pipeline_parallel_size=2, **spec)
+    assert_same(got, synchronous)
+    assert most_in_flight == 3 and overlapped > 0 and drafts > 0
 
 
 def test_a_worker_killed_with_async_steps_in_flight_stops_the_engine():

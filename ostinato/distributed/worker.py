@@ -68,7 +68,7 @@ def stage_report(world: World, runner: ModelRunner) -> dict:
 def serve(world: World, runner: ModelRunner) -> None:
     """Run rank 0's messages in order until Shutdown."""
     me, channel = world.rank.rank, world.channel
-    _start_heartbeat(me)
+    beating = _start_heartbeat(me)
     while True:
         msg = channel.recv(0)
         if isinstance(msg, StepInput):
@@ -78,6 +78,7 @@ def serve(world: World, runner: ModelRunner) -> None:
         elif isinstance(msg, ReportRequest):
             channel.send(Report(me, {**stage_report(world, runner), **runner.graph_report()}), 0)
         elif isinstance(msg, Shutdown):
+            beating.set()
             channel.flush(timeout=5.0)  # the driver takes every result before it says stop
             return
         else:
@@ -105,21 +106,22 @@ def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent
     leave()
 
 
-def _start_heartbeat(rank: int) -> None:
-    """Count up BEAT_KEY every BEAT_S seconds while this process runs, so the driver can tell
-    a rank that stopped answering (stopped, hung with the interpreter blocked) from one that
-    only waits on it."""
-    store = current_store()
-    if store is None:
-        return
+def _start_heartbeat(rank: int) -> threading.Event:
+    """Count up BEAT_KEY every BEAT_S seconds until the returned event is set, so the driver
+    can tell a rank that stopped answering (stopped, hung with the interpreter blocked) from
+    one that only waits on it."""
+    stop, store = threading.Event(), current_store()
 
     def beat() -> None:
         with contextlib.suppress(RuntimeError):  # the store went with the driver
             while True:
                 store.add(BEAT_KEY.format(rank=rank), 1)
-                time.sleep(BEAT_S)
+                if stop.wait(BEAT_S):
+                    return
 
-    threading.Thread(target=beat, name="ostinato-heartbeat", daemon=True).start()
+    if store is not None:
+        threading.Thread(target=beat, name="ostinato-heartbeat", daemon=True).start()
+    return stop
 
 
 def silent_ranks(store: dist.Store, ranks: range, listen: float = 3 * BEAT_S) -> list[int]:
