@@ -49,7 +49,6 @@ class World:
     rank: Rank
     config: EngineConfig  # the engine's, with this rank's device
     channel: Channel  # control messages (driver <-> workers)
-    groups: list[dist.ProcessGroup]  # the ones carrying device work, for abort()
     samples: SampleShare | None = None  # async scheduling: this rank sends or needs samples
 
     @property
@@ -121,7 +120,6 @@ def join(
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     me = Rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     _check_agreement(config, me, control)
-    groups = [dist.group.WORLD]
     tp = TPGroup()
     agreement = datetime.timedelta(seconds=startup_timeout(config.distributed_timeout))
     for stage in range(me.pp_size):  # every rank makes every group, in the same order
@@ -132,13 +130,12 @@ def join(
         control_of_stage = dist.new_group(ranks, backend="gloo", timeout=agreement)
         if stage == me.pp_rank:
             tp = TPGroup(me.tp_rank, me.tp_size, group, control_of_stage)
-            groups.append(group)
     set_tp_group(tp)
     samples = _sample_share(me, timeout) if config.async_scheduling else None
     # NCCL creates a group's communicator at its first collective, which must not happen
     # inside a CUDA graph capture (the layers' all-reduces are captured): create it now
     tp.all_reduce(torch.zeros(1, device=device))
-    return World(me, config, Channel(control), groups, samples)
+    return World(me, config, Channel(control), samples)
 
 
 def _sample_share(me: Rank, timeout: datetime.timedelta) -> SampleShare | None:
@@ -204,9 +201,9 @@ class _Teardown:
 
 
 def _abort_all() -> None:
-    """Abort every group at once: PyTorch aborts all NCCL communicators inside one group
-    call (aborting them one after the other can deadlock, pytorch#119797). gloo has no
-    abort: its operations fail once the peer's socket closes."""
+    """Abort every group of this process at once: PyTorch aborts all NCCL communicators
+    inside one group call (aborting them one after the other can deadlock, pytorch#119797);
+    pending gloo operations fail too."""
     if not dist.is_initialized():
         return
     with contextlib.suppress(RuntimeError, NotImplementedError, AttributeError, ValueError):
