@@ -134,22 +134,8 @@ class EngineConfig:
                 f"async_scheduling must be True, False or None (on wherever it works), got "
                 f"{self.async_scheduling!r}"
             )
-        blockers = [
-            why
-            for why, applies in (
-                ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
-                ("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-            )
-            if applies
-        ]
-        if self.async_scheduling is None:
-            self.async_scheduling = self.is_cuda and not blockers
-        elif self.async_scheduling and blockers:
-            raise ValueError(
-                f"async_scheduling does not work with {' or '.join(blockers)} yet: the ranks "
-                "other than the sampling one would need each step's sampled tokens; drop "
-                "async_scheduling (--async-scheduling off)"
-            )
+        if self.async_scheduling is None:  # several GPUs: not yet measured, so asked for
+            self.async_scheduling = self.is_cuda and self.world_size == 1
 
     def _check_speculation(self) -> None:
         k = self.num_speculative_tokens

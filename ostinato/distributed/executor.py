@@ -26,10 +26,11 @@ from ostinato.distributed.worker import (
     Shutdown,
     StepResult,
     load_stage,
+    silent_ranks,
     stage_report,
     worker_main,
 )
-from ostinato.distributed.world import Rendezvous, World, join, leave
+from ostinato.distributed.world import Rendezvous, World, current_store, join, leave, teardown
 from ostinato.runner.executor import Deferred
 from ostinato.runner.sampler import SamplerOutput
 from ostinato.runner.step import StepInput
@@ -69,7 +70,8 @@ class MultiprocExecutor:
                 "(LLMEngine.shutdown())"
             )
         self.config = config
-        self.max_in_flight = config.pipeline_parallel_size
+        # one batch per stage, and with async scheduling one more launched behind them
+        self.max_in_flight = config.pipeline_parallel_size + bool(config.async_scheduling)
         self.workers: Workers | None = None
         self._failed: str | None = None  # set once the engine stopped after a failure
         self._unresolved: deque[RemoteStep] = deque()
@@ -195,6 +197,7 @@ class MultiprocExecutor:
         stops: the workers are stopped and every later call raises."""
         error = self._error(e)
         self._failed = str(error) or type(error).__name__
+        teardown(abort=True)  # nothing of this process may wait on a stuck peer any more
         if self.workers is not None:  # mid-step they would not read a Shutdown: no asking
             self.workers.stop(0)
         self._closer()
@@ -204,22 +207,37 @@ class MultiprocExecutor:
         cause = self.workers.settle() if self.workers is not None else None
         if cause is None and isinstance(e, RuntimeError) and "by peer" in str(e):
             cause = f"a worker disconnected ({e})"
-        if cause is None and isinstance(e, RuntimeError) and "Timed out" in str(e):
+        timed_out = isinstance(e, TimeoutError) or (
+            isinstance(e, RuntimeError) and "Timed out" in str(e)
+        )
+        if cause is None and timed_out:
             cause = (
-                "a transfer or collective of a step took longer than distributed_timeout="
-                f"{self.config.distributed_timeout:g} s: a worker is stuck, or steps are "
-                f"that slow (then raise --distributed-timeout) ({e})"
+                f"{self._silent() or 'a worker is stuck, or steps are that slow'}: a transfer, "
+                "collective or device wait of a step took longer than distributed_timeout="
+                f"{self.config.distributed_timeout:g} s (raise --distributed-timeout if steps "
+                f"are that slow) ({e})"
             )
         return WorkerError(cause) if cause else e
 
     def _stuck(self, rank: int) -> str:
         c = self.config
-        r = Rank(rank, c.tensor_parallel_size, c.pipeline_parallel_size)
         return (
-            f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank}) sent nothing "
-            f"for distributed_timeout={c.distributed_timeout:g} s: it is stuck, or its steps "
-            "are that slow (then raise --distributed-timeout)"
+            f"{self._silent() or self._who(rank) + ' sent nothing'} for distributed_timeout="
+            f"{c.distributed_timeout:g} s: it is stuck, or its steps are that slow (then raise "
+            "--distributed-timeout)"
         )
+
+    def _who(self, rank: int) -> str:
+        r = Rank(rank, self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
+        return f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank})"
+
+    def _silent(self) -> str | None:
+        """'<who> stopped answering' for the workers whose heartbeat stopped, else None."""
+        store = current_store()
+        silent = silent_ranks(store, range(1, self.config.world_size)) if store is not None else []
+        if not silent:
+            return None
+        return " and ".join(self._who(rank) for rank in silent) + " stopped answering"
 
 
 def _close(world: World | None, workers: Workers | None) -> None:
@@ -236,7 +254,7 @@ def _close(world: World | None, workers: Workers | None) -> None:
             delivered = world.channel.flush(SHUTDOWN_PATIENCE)
             if not delivered:
                 logger.warning("a worker did not take its shutdown message: stopping it")
-        except RuntimeError as e:  # a worker is already gone; the rest are killed below
+        except (RuntimeError, ValueError) as e:  # a worker or the groups are gone already
             logger.debug("shutdown message not delivered: %s", e)
     if workers is not None:
         workers.stop(10.0 if delivered else 0.0)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ostinato.config import EngineConfig
-from ostinato.distributed.parallel import Rank
+from ostinato.distributed.parallel import Rank, startup_timeout
 from ostinato.distributed.worker import ERROR_KEY, worker_main
 from ostinato.distributed.world import JOINED_KEY, Rendezvous
 
@@ -68,7 +68,7 @@ class Workers:
 
     def __init__(self, config: EngineConfig, meet: Rendezvous) -> None:
         self.meet = meet
-        self.timeout = config.distributed_timeout
+        self.timeout = startup_timeout(config.distributed_timeout)  # spawning and importing
         self.cause: str | None = None  # why the engine stopped, once a worker died
         self.on_death: Callable[[], None] = lambda: None  # aborts the driver's collectives
         self._stopping = False

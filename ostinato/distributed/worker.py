@@ -9,10 +9,13 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ostinato.config import EngineConfig
 from ostinato.distributed.pipeline import PipelineLink
@@ -23,6 +26,8 @@ from ostinato.runner.step import StepInput
 
 logger = logging.getLogger("ostinato")
 ERROR_KEY = "ostinato/error/{rank}"  # a failing worker leaves its traceback here
+BEAT_KEY = "ostinato/beat/{rank}"  # a serving worker's heartbeat counter
+BEAT_S = 0.5  # seconds between heartbeats
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class Report:
 
 def load_stage(world: World, hf_config) -> ModelRunner:
     """Load this rank's stage, agree with every rank on the KV block count, capture graphs."""
-    runner = ModelRunner(world.config, hf_config, world.rank, PipelineLink(world.rank))
+    link = PipelineLink(world.rank)
+    runner = ModelRunner(world.config, hf_config, world.rank, link, world.samples)
     runner.start(world.agree_on_min(runner.num_blocks))
     return runner
 
@@ -62,6 +68,7 @@ def stage_report(world: World, runner: ModelRunner) -> dict:
 def serve(world: World, runner: ModelRunner) -> None:
     """Run rank 0's messages in order until Shutdown."""
     me, channel = world.rank.rank, world.channel
+    beating = _start_heartbeat(me)
     while True:
         msg = channel.recv(0)
         if isinstance(msg, StepInput):
@@ -71,6 +78,7 @@ def serve(world: World, runner: ModelRunner) -> None:
         elif isinstance(msg, ReportRequest):
             channel.send(Report(me, {**stage_report(world, runner), **runner.graph_report()}), 0)
         elif isinstance(msg, Shutdown):
+            beating.set()
             channel.flush(timeout=5.0)  # the driver takes every result before it says stop
             return
         else:
@@ -96,6 +104,36 @@ def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent
         sys.stderr.flush()
         os._exit(1)  # tearing down groups whose peers wait on us could hang: just go
     leave()
+
+
+def _start_heartbeat(rank: int) -> threading.Event:
+    """Count up BEAT_KEY every BEAT_S seconds until the returned event is set, so the driver
+    can tell a rank that stopped answering (stopped, hung with the interpreter blocked) from
+    one that only waits on it."""
+    stop, store = threading.Event(), current_store()
+
+    def beat() -> None:
+        with contextlib.suppress(RuntimeError):  # the store went with the driver
+            while True:
+                store.add(BEAT_KEY.format(rank=rank), 1)
+                if stop.wait(BEAT_S):
+                    return
+
+    if store is not None:
+        threading.Thread(target=beat, name="ostinato-heartbeat", daemon=True).start()
+    return stop
+
+
+def silent_ranks(store: dist.Store, ranks: range, listen: float = 3 * BEAT_S) -> list[int]:
+    """The ranks whose heartbeat did not move for `listen` seconds: they stopped answering
+    (a rank that never beat, still starting up, is not counted)."""
+    keys = {rank: BEAT_KEY.format(rank=rank) for rank in ranks}
+    try:
+        before = {rank: store.add(key, 0) for rank, key in keys.items()}
+        time.sleep(listen)
+        return [r for r, key in keys.items() if 0 < before[r] == store.add(key, 0)]
+    except RuntimeError:  # the store is gone: nothing to tell
+        return []
 
 
 def _leave_error(rank: int, text: str) -> None:

@@ -1,8 +1,15 @@
 """One process's view of the distributed engine: its rank, its device and its groups.
 
 Every rank creates the same groups in the same order: the world group (NCCL on GPUs, gloo on
-CPUs; it carries the stage-to-stage transfers), one tensor-parallel group per stage, and a
-gloo group for control messages whose timeout is long enough to idle on.
+CPUs; it carries the stage-to-stage transfers), a gloo group for control messages whose
+timeout is long enough to idle on, and per stage a tensor-parallel group and a gloo group of
+the same ranks for agreeing on host-side decisions (graph warm-ups, dropped sizes).
+
+NCCL faults: every rank runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (unless set otherwise),
+so PyTorch's NCCL watchdog never tears a process down (SIGABRT) nor aborts a communicator
+behind the engine's back. The engine owns every abort: a host wait on the device has a
+deadline (distributed_timeout), a dead worker is seen by the launcher's watchdog, and either
+way the driver aborts its groups once (`teardown`) and stops the workers.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,8 +27,10 @@ import torch.distributed as dist
 
 from ostinato.config import EngineConfig
 from ostinato.distributed.channel import Channel
-from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group
+from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group, startup_timeout
+from ostinato.distributed.pipeline import SampleShare
 
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # the engine aborts, not PyTorch
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # a worker waits this long for its next step
 JOINED_KEY = "ostinato/joined"  # each worker adds 1 on reaching the rendezvous
 _IGNORED_IN_AGREEMENT = ("model", "device")  # may differ between nodes (paths, device index)
@@ -39,7 +49,7 @@ class World:
     rank: Rank
     config: EngineConfig  # the engine's, with this rank's device
     channel: Channel  # control messages (driver <-> workers)
-    groups: list[dist.ProcessGroup]  # the ones carrying device work, for abort()
+    samples: SampleShare | None = None  # async scheduling: this rank sends or needs samples
 
     @property
     def sampling_rank(self) -> int:
@@ -53,10 +63,7 @@ class World:
 
     def abort(self) -> None:
         """Make every pending device collective of this process fail (a peer is gone)."""
-        for group in self.groups:
-            # gloo has no abort: its operations fail once the peer's socket closes
-            with contextlib.suppress(RuntimeError, NotImplementedError, AttributeError):
-                group.abort()
+        teardown(abort=True)
 
 
 def rank_device(config: EngineConfig, rank: int) -> str:
@@ -97,6 +104,8 @@ def join(
             wait_for_peers(_store)
     if config.is_cuda:
         torch.cuda.set_device(device)
+    os.environ.setdefault(*NCCL_ERROR_HANDLING)  # read when the NCCL group is made, just below
+    _teardown.reset()
     dist.init_process_group(
         "nccl" if config.is_cuda else "gloo",
         init_method=None if meet is not None else "env://",
@@ -111,19 +120,30 @@ def join(
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     me = Rank(rank, config.tensor_parallel_size, config.pipeline_parallel_size)
     _check_agreement(config, me, control)
-    groups = [dist.group.WORLD]
     tp = TPGroup()
-    for stage in range(me.pp_size):
+    agreement = datetime.timedelta(seconds=startup_timeout(config.distributed_timeout))
+    for stage in range(me.pp_size):  # every rank makes every group, in the same order
+        if me.tp_size == 1:
+            break
         ranks = [stage * me.tp_size + i for i in range(me.tp_size)]
-        group = dist.new_group(ranks, timeout=timeout) if me.tp_size > 1 else None
-        if stage == me.pp_rank and group is not None:
-            tp = TPGroup(me.tp_rank, me.tp_size, group)
-            groups.append(group)
+        group = dist.new_group(ranks, timeout=timeout)
+        control_of_stage = dist.new_group(ranks, backend="gloo", timeout=agreement)
+        if stage == me.pp_rank:
+            tp = TPGroup(me.tp_rank, me.tp_size, group, control_of_stage)
     set_tp_group(tp)
+    samples = _sample_share(me, timeout) if config.async_scheduling else None
     # NCCL creates a group's communicator at its first collective, which must not happen
     # inside a CUDA graph capture (the layers' all-reduces are captured): create it now
     tp.all_reduce(torch.zeros(1, device=device))
-    return World(me, config, Channel(control), groups)
+    return World(me, config, Channel(control), samples)
+
+
+def _sample_share(me: Rank, timeout: datetime.timedelta) -> SampleShare | None:
+    """The group from the sampling rank to the first stage's ranks (every rank makes it)."""
+    source = (me.pp_size - 1) * me.tp_size
+    members = sorted({*range(me.tp_size), source})
+    group = dist.new_group(members, timeout=timeout)
+    return SampleShare(me, group, source) if me.rank in members else None
 
 
 def _check_agreement(config: EngineConfig, me: Rank, control: dist.ProcessGroup) -> None:
@@ -152,8 +172,54 @@ def current_store() -> dist.Store | None:
     return _store
 
 
+class _Teardown:
+    """The one owner of this process's group teardown. The launcher's watchdog thread aborts
+    when a worker dies while the main thread may be leaving: the two never overlap, an abort
+    after leaving does nothing, and each happens at most once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.aborted = self.left = False
+
+    def reset(self) -> None:
+        with self._lock:
+            self.aborted = self.left = False
+
+    def __call__(self, abort: bool) -> None:
+        with self._lock:
+            if self.left or (abort and self.aborted):
+                return
+            if abort:
+                self.aborted = True
+                _abort_all()
+                return
+            self.left = True
+            if dist.is_initialized():
+                with contextlib.suppress(RuntimeError, ValueError):  # aborted groups are gone
+                    dist.destroy_process_group()
+            set_tp_group(TPGroup())
+
+
+def _abort_all() -> None:
+    """Abort every group of this process at once: PyTorch aborts all NCCL communicators
+    inside one group call (aborting them one after the other can deadlock, pytorch#119797);
+    pending gloo operations fail too."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(RuntimeError, NotImplementedError, AttributeError, ValueError):
+        dist.distributed_c10d._abort_process_group(dist.group.WORLD)
+
+
+_teardown = _Teardown()
+
+
+def teardown(abort: bool = False) -> None:
+    """abort=True: make every pending device collective of this process fail (a peer is
+    gone); else leave: destroy this process's groups. Safe from any thread, any number of
+    times."""
+    _teardown(abort)
+
+
 def leave() -> None:
     """Tear down this process's groups (every rank, also after a failure)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    set_tp_group(TPGroup())
+    teardown(abort=False)

@@ -87,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.in_flight: Counter[Sequence] = Counter()  # batches in flight per request
         self.async_scheduling = config.async_scheduling
+        self._last_batch: set[Sequence] = set()  # the requests of the batch scheduled last
         self._verifying: set[Sequence] = set()  # requests whose batch in flight has drafts
         self.num_preemptions = 0
         self.proposer = make_proposer(config)
@@ -144,6 +145,7 @@ class Scheduler:
             seq.num_in_flight_tokens += n
             seq.num_pending_tokens += sampled
         self._verifying.update(self._drafts)
+        self._last_batch = set(seqs)
         return batch
 
     def _may_continue(self, seq: Sequence) -> bool:
@@ -154,6 +156,7 @@ class Scheduler:
         return (
             self.async_scheduling
             and self.in_flight[seq] == 1
+            and seq in self._last_batch  # its next token's step is the one before this batch
             and seq not in self._verifying
             and seq.num_output_tokens + pending < seq.params.max_tokens
             and len(seq) + pending < self.max_model_len

@@ -29,6 +29,9 @@ ForwardFn = Callable[[BatchDescriptor], torch.Tensor]
 Prepare = Callable[[BatchDescriptor], None]
 Buffers = Callable[[], Mapping[str, torch.Tensor]]
 T = TypeVar("T")
+Agree = Callable[[int], int]  # an outcome code -> the largest over the stage's ranks
+
+CAPTURED, COLD, OUT_OF_MEMORY = 0, 1, 2  # one capture attempt's outcome, in agreement order
 
 
 @contextmanager
@@ -72,6 +75,16 @@ class GraphRunner:
     an eager warm-up (recorded) and a second capture. Keys of one kernel variant set share a
     warm-up.
 
+    Agreement: with tensor parallelism a warm-up runs real all-reduces while a capture
+    communicates nothing, so whether a key is warmed up, dropped or captured must be the same
+    on every rank of the stage, though it is decided from process-local state (which kernel
+    variants this process launched before, possibly for an earlier engine; out-of-memory).
+    Each rank reports its outcome and `agree` (the largest over the stage's ranks, one small
+    gloo all-reduce) picks the path they all take: a cold kernel anywhere warms up
+    everywhere, out of memory anywhere drops the key everywhere. An eager warm-up that runs
+    out of memory cannot be undone (its peers wait in a collective it will not issue): with
+    several ranks that stops the engine with a clear error.
+
     Lazy capture is deterministic: every rank sees the same keys in the same order, so all
     capture a key at the same step. A key's first use captures then replays when every kernel
     variant is warm, else runs the step eagerly, recording it as the warm-up, then captures.
@@ -82,8 +95,9 @@ class GraphRunner:
     reserves for graphs (H100, benchmarks/capture-h100.md).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, agree: Agree | None = None) -> None:
         self.config = config
+        self.agree: Agree = agree or (lambda outcome: outcome)
         plan = CapturePlan.from_config(config)
         self.resolution = resolve(config, plan)
         self.resolution.log()
@@ -250,27 +264,60 @@ class GraphRunner:
     def _capture_one(
         self, mode: CudaGraphMode, desc: BatchDescriptor, warm_up: Callable[[], object]
     ) -> BreakableGraph | None:
-        """Capture desc, calling warm_up() first only when the capture meets a cold kernel
-        variant. None when it ran out of memory: desc is dropped."""
-        try:
-            graph = self._capture_warm(mode, desc)
-            if graph is None:
-                with variants.recording():
-                    warm_up()
-                self.num_warmups += 1
-                graph = self._capture_warm(mode, desc)
-                if graph is None:
-                    raise RuntimeError(
-                        f"capturing {mode.value} {desc} launched a kernel variant that its own "
-                        "warm-up did not: a launch key depends on something other than shapes"
-                    )
-        except torch.cuda.OutOfMemoryError:
+        """Capture desc, calling warm_up() first when a capture meets a cold kernel variant
+        on any rank of the stage. None when a capture ran out of memory on any rank: desc is
+        dropped everywhere."""
+        graph, outcome = self._attempt(mode, desc)
+        if outcome == COLD:  # every rank warms up and captures again, with the same collectives
+            graph, outcome = None, OUT_OF_MEMORY
+            if self._warm_up(desc, warm_up):
+                graph, outcome = self._attempt(mode, desc)
+            if outcome == COLD:
+                raise RuntimeError(
+                    f"capturing {mode.value} {desc} launched a kernel variant that its own "
+                    "warm-up did not: a launch key depends on something other than shapes"
+                )
+        if outcome == OUT_OF_MEMORY:
             self.dropped.append(desc)
             self._discarded()
             logger.warning("out of memory while capturing: dropped the graph of %s", desc)
             return None
         self.graphs[mode][desc] = graph
         return graph
+
+    def _attempt(
+        self, mode: CudaGraphMode, desc: BatchDescriptor
+    ) -> tuple[BreakableGraph | None, int]:
+        """One capture attempt on this rank, then the outcome every rank of the stage agreed
+        on (a capture communicates nothing, so ranks may disagree here safely)."""
+        graph, outcome = None, CAPTURED
+        try:
+            graph = self._capture_warm(mode, desc)
+            outcome = COLD if graph is None else CAPTURED
+        except torch.cuda.OutOfMemoryError:
+            outcome = OUT_OF_MEMORY
+        agreed = self.agree(outcome)
+        if agreed != CAPTURED and graph is not None:
+            graph = None  # another rank's outcome wins: this one's graph is not kept
+            self._discarded()
+        return graph, agreed
+
+    def _warm_up(self, desc: BatchDescriptor, warm_up: Callable[[], object]) -> bool:
+        """Run the eager warm-up; False when it ran out of memory in a single-rank stage (desc
+        is dropped)."""
+        try:
+            with variants.recording():
+                warm_up()
+        except torch.cuda.OutOfMemoryError as e:
+            if self.config.tensor_parallel_size == 1:
+                return False
+            raise RuntimeError(
+                f"out of memory in the eager warm-up of {desc}: the tensor-parallel peers "
+                "of this rank wait in collectives it will not issue, so the engine stops; "
+                "lower gpu_memory_utilization or max_num_batched_tokens / max_capture_size"
+            ) from e
+        self.num_warmups += 1
+        return True
 
     def _capture_warm(self, mode: CudaGraphMode, desc: BatchDescriptor) -> BreakableGraph | None:
         """One capture attempt; None when it stopped at a cold kernel variant."""

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ostinato.context import AttentionMetadata, LoRAMetadata
+from ostinato.runner.deadline import wait_for
 from ostinato.runner.step import StepInput
 
 _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_blocks))
@@ -36,7 +37,11 @@ class InputBuffers:
         max_blocks: int,
         device: torch.device,
         max_loras: int = 0,
+        timeout: float | None = None,
     ):
+        """timeout: seconds a step may wait for the device to finish reading the last step's
+        copies (None: no limit; several processes pass distributed_timeout)."""
+        self.timeout = timeout
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         pin = device.type == "cuda"
         self.device: dict[str, torch.Tensor] = {}
@@ -62,7 +67,7 @@ class InputBuffers:
         the device buffers. Padded tokens store their KV nowhere (slot -1); padded requests
         have no tokens and no KV."""
         if self.copied is not None:  # the last step's copies out of the mirror are done
-            self.copied.synchronize()
+            wait_for(self.copied, self.timeout, "the last step's input copies")
         h = self.host_np
         n, r = step.num_tokens, step.num_reqs
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs

@@ -17,7 +17,7 @@ import torch
 from ostinato.attention import get_attention_backend
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
-from ostinato.distributed.parallel import Rank, tp_group
+from ostinato.distributed.parallel import Rank, startup_timeout, tp_group
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
@@ -44,6 +44,17 @@ class StageLink(Protocol):
     def send(self, out: IntermediateTensors) -> None: ...
 
 
+class SampleLink(Protocol):
+    """Async scheduling with several processes: the sampled tokens of every step, from the
+    sampling rank to the first stage's ranks (their next step's placeholders)."""
+
+    is_src: bool
+
+    def share(self, rows: int, tokens: torch.Tensor | None, device: torch.device) -> None: ...
+
+    def latest(self) -> torch.Tensor: ...
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -51,11 +62,14 @@ class ModelRunner:
         hf_config,
         rank: Rank | None = None,
         link: StageLink | None = None,
+        samples: SampleLink | None = None,
     ) -> None:
         """Loads this rank's stage and measures how many KV blocks fit (num_blocks). The
-        KV cache and graphs come in start(), once every rank agreed on the block count."""
+        KV cache and graphs come in start(), once every rank agreed on the block count.
+        samples: this rank's part in sharing sampled tokens (async scheduling over several
+        processes; None when it neither samples for nor embeds after another rank)."""
         self.config, self.hf_config = config, hf_config
-        self.rank, self.link = rank or Rank(), link
+        self.rank, self.link, self.samples = rank or Rank(), link, samples
         self.device = torch.device(config.device)
         if config.is_cuda:
             if self.device.index is None:
@@ -67,6 +81,11 @@ class ModelRunner:
             hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition
         )[self.rank.pp_rank]
         self.model = load_model(config, hf_config, (layers.start, layers.stop))
+        # the stage's first large collectives follow (the KV sizing's peak step): wait for
+        # the stage's slowest loader here, under a start-up deadline, not inside them
+        tp_group().wait_for_peers(startup_timeout(config.distributed_timeout))
+        # host waits on the device get a deadline when a peer may leave the device waiting
+        device_timeout = config.distributed_timeout if config.world_size > 1 else None
         self.lora = None
         if config.enable_lora:  # slot buffers now, so the KV sizing counts them as weights
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
@@ -80,6 +99,7 @@ class ModelRunner:
             self.max_blocks,
             self.device,
             config.max_loras if config.enable_lora else 0,
+            device_timeout,
         )
         self.intermediate = None
         if not self.rank.is_first_stage:  # received into here; graphs captured these addresses
@@ -90,9 +110,9 @@ class ModelRunner:
         self.static_bytes = (
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
-        self.sampler = Sampler()
+        self.sampler = Sampler(device_timeout)
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
-        self.graphs = GraphRunner(config)
+        self.graphs = GraphRunner(config, tp_group().agree_max)
         self.kv_caches: list = []
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
@@ -222,8 +242,8 @@ class ModelRunner:
         for load in step.lora_loads:  # this rank's layers of each adapter, into fixed slots
             self.lora.load(load.slot, load.path)
         self.buffers.load(step)
-        if step.placeholder_tokens is not None:
-            self.buffers.fill_placeholders(step, self.last_sampled.tokens)
+        if step.placeholder_tokens is not None and self.rank.is_first_stage:  # it embeds them
+            self.buffers.fill_placeholders(step, self._sampled_before())
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
         if self.intermediate is not None:
             self.link.recv(self._intermediate(num_tokens))
@@ -236,14 +256,27 @@ class ModelRunner:
                 self._check_graph(step, out)
         if not self.rank.is_last_stage:
             self.link.send(_rows(out, num_tokens))
+            self._share(step, None)
             return None
         if not step.sampling:
             return None
         logits = self._logits(out, len(step.logits_indices))
         if tp_group().rank != 0:
+            self._share(step, None)
             return None
         self.last_sampled = self.sampler.launch(logits, step.sampling)
+        self._share(step, self.last_sampled.tokens)
         return self.last_sampled
+
+    def _share(self, step: StepInput, tokens: torch.Tensor | None) -> None:
+        if self.samples is not None and step.sampling:
+            self.samples.share(len(step.logits_indices), tokens, self.device)
+
+    def _sampled_before(self) -> torch.Tensor:
+        """The tokens the step before sampled: this rank's own, or the sampling rank's."""
+        if self.samples is None or self.samples.is_src:
+            return self.last_sampled.tokens
+        return self.samples.latest()
 
     def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_rows]])

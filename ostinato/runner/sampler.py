@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ostinato.runner.deadline import wait_for
 from ostinato.runner.step import SamplingRow
 from ostinato.speculative.rejection import accepted_prefix, race
 
@@ -27,8 +28,9 @@ class SampledTokens:
         rows: list[SamplingRow],
         tokens: torch.Tensor,
         logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        timeout: float | None = None,
     ) -> None:
-        self.rows, self.tokens = rows, tokens
+        self.rows, self.tokens, self.timeout = rows, tokens, timeout
         self._logprob_rows = logprobs[0] if logprobs is not None else []
         device_tensors = (tokens, *logprobs[1:]) if logprobs is not None else (tokens,)
         self._host = [t.to("cpu", non_blocking=True) for t in device_tensors]
@@ -39,7 +41,7 @@ class SampledTokens:
 
     def result(self) -> SamplerOutput:
         if self._copied is not None:
-            self._copied.synchronize()
+            wait_for(self._copied, self.timeout, "the step's sampled tokens")
         tokens = self._host[0].tolist()
         picked = self._picked(tokens)
         out_tokens = [tokens[r.start : r.stop] for r in picked]  # accepted drafts are samples
@@ -88,7 +90,13 @@ class Sampler:
     A seeded request's E for the token at position i of its sequence is drawn from a generator
     seeded by (seed, i) alone, so its output depends on nothing else: not on the batch it ran in,
     the steps it took, the process that sampled it, or whether drafts were verified (a draft
-    stands when the position's sample equals it; see speculative/rejection.py)."""
+    stands when the position's sample equals it; see speculative/rejection.py).
+
+    `timeout` (seconds; None: wait as long as it takes) bounds the host's wait for the
+    samples: with several processes the step may wait on a peer that is stuck."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         return self.launch(logits, rows).result()
@@ -103,7 +111,8 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, owners)
-        return SampledTokens(rows, tokens, self._logprobs(logits, owners, tokens))
+        logprobs = self._logprobs(logits, owners, tokens)
+        return SampledTokens(rows, tokens, logprobs, self.timeout)
 
     def _sample(self, logits: torch.Tensor, owners: list[SamplingRow]) -> torch.Tensor:
         """The sampled token of every logits row (owners[i] owns row i)."""

@@ -1,0 +1,322 @@
+"""Distributed paths made safe before they meet two GPUs (issue 23), on the CPU with gloo.
+
+CUDA graphs need a GPU, so the engines here capture with a stand-in: a "graph" that runs its
+forward again at each replay, with collectives skipped while it is captured (a CUDA capture
+records NCCL collectives and communicates nothing) and a Triton kernel (interpreted) at the
+start of every forward, so the kernel-variant bookkeeping of kernels/variants.py decides the
+warm-ups as it does on a GPU. Spawned workers install the same stand-in (launcher.worker_main
+is swapped for `faked_worker` below). A wrapper counts every collective a rank runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton.language as tl
+from helpers import assert_stopped_for_good, is_alive
+
+from ostinato import LLM, SamplingParams
+from ostinato.distributed import launcher, worker
+from ostinato.distributed.executor import WorkerError
+from ostinato.graphs import capture, compat
+from ostinato.kernels import variants
+from ostinato.kernels.dispatch import jit
+from ostinato.runner import deadline
+from ostinato.runner.model_runner import ModelRunner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+ENGINE = {
+    "device": "cpu",
+    "dtype": "float32",
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 16,
+    "capture_sizes": [1, 2, 16],  # a kernel variant each: n == 1, n % 16 == 0, neither
+}
+PROMPTS = ["Hello there", "The quick brown fox jumps", "0123456789 abcdef", "once upon"]
+LOG_DIR = "OSTINATO_TEST_COLLECTIVES"  # where each worker writes its collectives
+INJECT = "OSTINATO_TEST_OOM"  # "<capture|warmup>:<num_tokens>": out of memory on rank 1
+
+
+# ---- the stand-in for CUDA graphs, and the collective counter ------------------------------
+@jit
+def _touch_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+class Fakes:
+    def __init__(self, rank: int, inject: str = "") -> None:
+        self.rank = rank
+        self.capturing = False
+        self.log: list[str] = []  # the collectives this rank ran, in order
+        where, _, size = inject.partition(":")
+        self.inject = (where, int(size)) if inject and rank == 1 else None
+
+    def patches(self) -> list[tuple[object, str, object]]:
+        fakes = self
+        all_reduce, all_gather = dist.all_reduce, dist.all_gather
+
+        def counted(op, real):
+            def collective(tensor, *args, **kwargs):
+                what = f"{op} {tuple(getattr(tensor, 'shape', ()))}"
+                if fakes.capturing:  # recorded into the graph: nothing is exchanged
+                    return None
+                fakes.log.append(what)
+                return real(tensor, *args, **kwargs)
+
+            return collective
+
+        class Graph:
+            """Replay runs the captured forward again, under the live forward context (as a
+            PIECEWISE graph's attention breaks read it)."""
+
+            def __init__(self, pool, stream) -> None:
+                self.output = self.forward = None
+
+            def capture(self, fn, breaks: bool = True):
+                fakes.capturing = True
+                try:
+                    self.output = fn()
+                finally:
+                    fakes.capturing = False
+                self.forward = fakes.last_forward
+                return self.output
+
+            def replay(self):
+                return self.forward()
+
+        forward = ModelRunner._model_forward
+
+        def model_forward(runner, num_tokens: int):
+            fakes.last_forward = lambda: forward(runner, num_tokens)
+            if fakes.inject == ("capture", num_tokens) and fakes.capturing:
+                raise torch.cuda.OutOfMemoryError("injected (capture)")
+            if fakes.inject == ("warmup", num_tokens) and variants.mode == variants.RECORD:
+                raise torch.cuda.OutOfMemoryError("injected (warm-up)")
+            os.environ["TRITON_INTERPRET"] = "1"
+            try:  # a kernel whose variant follows num_tokens, as the model's kernels do
+                _touch_kernel[(1,)](torch.zeros(num_tokens), num_tokens, BLOCK=16)
+            finally:
+                del os.environ["TRITON_INTERPRET"]
+            return forward(runner, num_tokens)
+
+        return [
+            (dist, "all_reduce", counted("all_reduce", all_reduce)),
+            (dist, "all_gather", counted("all_gather", all_gather)),
+            (compat, "RULES", tuple(r for r in compat.RULES if r.name != "cpu_device")),
+            (capture, "BreakableGraph", Graph),
+            (ModelRunner, "_model_forward", model_forward),
+            (torch.cuda, "synchronize", lambda *a: None),
+            (torch.cuda, "empty_cache", lambda: None),
+            (torch.cuda, "mem_get_info", lambda *a: (2**30, 2**31)),
+            (torch.cuda, "Stream", _Stream),
+            (torch.cuda, "current_stream", _Stream),
+            (torch.cuda, "stream", lambda s: contextlib.nullcontext()),
+            (torch.cuda, "graph_pool_handle", lambda: (0, 0)),
+        ]
+
+
+class _Stream:
+    def wait_stream(self, other) -> None:
+        pass
+
+
+def faked_worker(rank, config, meet, parent) -> None:
+    """A spawned worker with the stand-in installed; it writes its collectives on leaving."""
+    fakes = Fakes(rank, os.environ.get(INJECT, ""))
+    for owner, name, value in fakes.patches():
+        setattr(owner, name, value)
+    worker.worker_main(rank, config, meet, parent)
+    Path(os.environ[LOG_DIR], f"rank{rank}-{os.getpid()}.json").write_text(json.dumps(fakes.log))
+
+
+@pytest.fixture
+def faked(monkeypatch, tmp_path):
+    """The driver (rank 0) and its spawned workers capture with the stand-in; returns the
+    driver's Fakes."""
+    fakes = Fakes(0)
+    for owner, name, value in fakes.patches():
+        monkeypatch.setattr(owner, name, value)
+    monkeypatch.setattr(launcher, "worker_main", faked_worker)
+    monkeypatch.setenv(LOG_DIR, str(tmp_path))
+    monkeypatch.setattr(variants, "_launched", set())  # this test's first engine starts cold
+    return fakes
+
+
+def worker_log(tmp_path: Path, pid: int) -> list[str]:
+    return json.loads(next(tmp_path.glob(f"rank1-{pid}.json")).read_text())
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    params = [GREEDY] * (len(PROMPTS) - 1) + [SEEDED]
+    return [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM("tiny", **ENGINE)
+    return generate(llm)
+
+
+# ---- 1. agreed warm-ups -----------------------------------------------------------------------
+def test_two_tensor_parallel_engines_in_one_process_issue_the_same_collectives(
+    faked, tmp_path, reference
+):
+    """The second engine's driver has every kernel variant warm (the first engine launched
+    them) while its new worker starts cold: the ranks still warm up together, so each runs
+    the same collectives in the same order, and the tokens are one process's."""
+    for engine in range(2):
+        faked.log.clear()
+        llm = LLM("tiny", tensor_parallel_size=2, distributed_timeout=20, **ENGINE)
+        try:
+            if engine == 1:  # the first only warms the driver's kernel variants up
+                assert generate(llm) == reference
+            report = llm.graph_report()
+            pid = llm.engine.executor.workers.procs[1].pid
+        finally:
+            llm.engine.shutdown()
+        stages = report["stages"]
+        assert report["cuda_graph_mode"] == "piecewise" and len(report["captured"]["piecewise"])
+        assert [s["warmups"] for s in stages] == [3, 3], f"engine {engine}"
+        assert stages[0]["steps"] == stages[1]["steps"]
+        assert stages[0]["steps"]["piecewise"] or engine == 0
+        mine = faked.log[: len(worker_log(tmp_path, pid))]  # less its report's gathers
+        assert mine == worker_log(tmp_path, pid) and len(mine) > 20, f"engine {engine}"
+
+
+def test_out_of_memory_in_one_ranks_capture_drops_the_size_on_every_rank(
+    faked, tmp_path, monkeypatch, reference
+):
+    monkeypatch.setenv(INJECT, "capture:16")
+    llm = LLM("tiny", tensor_parallel_size=2, distributed_timeout=20, **ENGINE)
+    try:
+        assert generate(llm) == reference
+        report = llm.graph_report()
+        pid = llm.engine.executor.workers.procs[1].pid
+    finally:
+        llm.engine.shutdown()
+    dropped = [{"num_tokens": 16, "num_reqs": None, "uniform_query_len": None,
+                "num_active_loras": 0}]  # fmt: skip
+    assert [s["dropped"] for s in report["stages"]] == [dropped, dropped]
+    assert report["stages"][0]["captured"] == report["stages"][1]["captured"]
+    assert faked.log[: len(worker_log(tmp_path, pid))] == worker_log(tmp_path, pid)
+
+
+def test_out_of_memory_in_one_ranks_warm_up_stops_the_engine_cleanly(faked, monkeypatch):
+    """The warm-up has run collectives its peer waits on: it cannot be skipped, so the
+    engine stops at once with the rank's error, and no process is left."""
+    monkeypatch.setenv(INJECT, "warmup:16")  # the largest: its warm-up comes first
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"tensor rank 1 \(rank 1\) failed: .*out of memory in"):
+        LLM("tiny", tensor_parallel_size=2, distributed_timeout=20, **ENGINE)
+    assert time.monotonic() - start < 30
+    assert not multiprocessing.active_children()
+
+
+# ---- 2. faults become WorkerError -------------------------------------------------------------
+def test_a_host_wait_on_the_device_ends_at_its_deadline():
+    class Stuck:
+        def query(self) -> bool:
+            return False
+
+    start = time.monotonic()
+    with pytest.raises(deadline.DeviceTimeout, match="sampled tokens within distributed_time"):
+        deadline.wait_for(Stuck(), 0.2, "the step's sampled tokens")
+    assert 0.2 <= time.monotonic() - start < 2
+    done = iter([False, False, True])
+
+    class Finishing:
+        def query(self) -> bool:
+            return next(done)
+
+    deadline.wait_for(Finishing(), 5, "anything")
+
+
+def test_a_rank_that_stops_answering_mid_step_is_named_within_the_deadline():
+    llm = LLM("tiny", tensor_parallel_size=2, distributed_timeout=5, **ENGINE)
+    engine = llm.engine
+    worker_proc = engine.executor.workers.procs[1]
+    try:
+        for prompt in PROMPTS:
+            engine.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        engine.step()
+        os.kill(worker_proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"stage 0, tensor rank 1 \(rank 1\) stopped answ"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - start < 5 + 10
+        assert_stopped_for_good(llm, [worker_proc])
+    finally:
+        engine.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker_proc.pid, signal.SIGKILL)
+
+
+def test_a_rank_killed_during_teardown_is_named_and_nothing_is_left(monkeypatch):
+    """The kill lands while shutdown waits for the workers to take their Shutdown message:
+    the watchdog's abort and the driver's leave meet, once each; shutdown returns within
+    seconds, the engine names the rank, and no process is left."""
+    llm = LLM("tiny", pipeline_parallel_size=2, **ENGINE)
+    engine = llm.engine
+    channel = engine.executor.world.channel
+    victim = engine.executor.workers.procs[1]
+    flush = channel.flush
+
+    def killing_flush(*args, **kwargs):
+        os.kill(victim.pid, signal.SIGKILL)
+        time.sleep(0.5)  # the watchdog sees the death while we are still here
+        return flush(*args, **kwargs)
+
+    monkeypatch.setattr(channel, "flush", killing_flush)
+    assert len(generate(llm)) == len(PROMPTS)
+    start = time.monotonic()
+    engine.shutdown()
+    assert time.monotonic() - start < 15
+    assert "stage 1, tensor rank 0 (rank 1) was killed by SIGKILL" in engine.failed
+    assert not is_alive(victim.pid) and not multiprocessing.active_children()
+    with pytest.raises(WorkerError, match="killed by SIGKILL"):
+        llm.generate(["again"], GREEDY, use_tqdm=False)
+
+
+# ---- 3. one abort ---------------------------------------------------------------------------
+def test_teardown_has_one_owner_abort_and_leave_never_overlap_and_run_once(monkeypatch):
+    """The watchdog thread aborts while the main thread leaves: the second waits for the
+    first, an abort after leaving does nothing, and each runs at most once."""
+    from ostinato.distributed import world
+
+    events, busy = [], [False]
+
+    def slow(name):
+        def run(*args):
+            assert not busy[0], f"{name} overlapped another teardown"
+            busy[0] = True
+            events.append(name)
+            time.sleep(0.2)
+            busy[0] = False
+
+        return run
+
+    monkeypatch.setattr(world, "_abort_all", slow("abort"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", slow("destroy"))
+    monkeypatch.setattr(world, "_teardown", world._Teardown())
+    watchdog = threading.Thread(target=lambda: [world.teardown(abort=True) for _ in range(2)])
+    watchdog.start()
+    time.sleep(0.05)
+    world.leave()  # while the abort runs
+    world.leave()
+    watchdog.join()
+    world.teardown(abort=True)
+    assert events == ["abort", "destroy"]
