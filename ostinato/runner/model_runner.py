@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ostinato.attention import get_attention_backend
@@ -91,6 +92,7 @@ class ModelRunner:
         ) - allocated_before
         self.sampler = Sampler()
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
+        self.held = None  # logits and rows of a step whose sampling waits for its bitmask
         self.graphs = GraphRunner(config)
         self.kv_caches: list = []
         self.num_graph_checks = 0
@@ -231,7 +233,20 @@ class ModelRunner:
         logits = self._logits(out, len(step.logits_indices))
         if tp_group().rank != 0:
             return None
-        self.last_sampled = self.sampler.launch(logits, step.sampling)
+        if step.mask_pending:  # sampled by sample_held() once the engine has the mask
+            self.held = (logits, step.sampling)
+            return None
+        return self._sample(logits, step.sampling, step.bitmask)
+
+    def sample_held(self, bitmask: np.ndarray) -> SampledTokens:
+        """Sample the last launched step, which waited for its token bitmask."""
+        (logits, rows), self.held = self.held, None
+        return self._sample(logits, rows, bitmask)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list, bitmask: np.ndarray | None
+    ) -> SampledTokens:
+        self.last_sampled = self.sampler.launch(logits, rows, bitmask)
         return self.last_sampled
 
     def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
