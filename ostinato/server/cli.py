@@ -32,7 +32,8 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     adapters = [LoRARequest(name, path) for name, path in args.lora_modules]
     engine = LLMEngine(config)
     try:
-        app = build_app(engine, args.served_model_name or [config.model], adapters)
+        names = args.served_model_name or [config.model]
+        app = build_app(engine, names, adapters, args.tool_call_parser)
     except ValueError:  # a bad --lora-modules entry: stop the workers, if any, before exiting
         engine.shutdown()
         raise

@@ -47,6 +47,14 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     return LLMatcher.grammar_from_lark(params.grammar)
 
 
+def _one_line(error: str) -> str:
+    """llguidance's message without its drawing of the grammar: the first line, and the
+    parser's own `error:` line when there is one."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()]
+    detail = [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join(lines[:1] + detail)
+
+
 class _ByteVocabulary:
     """The built-in byte tokenizer as llguidance reads a tokenizer: each id's bytes (special
     tokens marked by a leading 0xff), and an encoder."""
@@ -96,7 +104,7 @@ class GrammarCompiler:
         if template is None:
             error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
             if error:
-                raise ValueError(f"structured_outputs.{params.kind}: {error.strip()}")
+                raise ValueError(f"structured_outputs.{params.kind}: {_one_line(error)}")
             template = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise ValueError(f"structured_outputs.{params.kind}: {template.get_error()}")
