@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ostinato.sampling_params import StructuredOutputsParams
+from ostinato.structured.grammar import JSON_OPTIONS
 
 
 @dataclass
@@ -63,6 +64,11 @@ def _call_schema(tools: list[dict], arguments_key: str) -> dict:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+def _json_rule(schema: dict) -> str:
+    """A Lark rule body for JSON matching schema, compact as response formats are."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
 def _as_call(obj: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -98,9 +104,9 @@ class HermesParser:
         return at if at != -1 else _partial_tail(text, self.START)
 
     def constraint(self, tools: list[dict], many: bool) -> StructuredOutputsParams:
-        body = json.dumps(_call_schema(tools, "arguments"))
+        body = _json_rule(_call_schema(tools, "arguments"))
         start = "start: call+" if many else "start: call"
-        lark = f'{start}\ncall: "{self.START}\\n" body "\\n{self.END}"\nbody: %json {body}'
+        lark = f'{start}\ncall: "{self.START}\\n" body "\\n{self.END}"\nbody: {body}'
         return StructuredOutputsParams(grammar=lark)
 
 
@@ -112,17 +118,18 @@ class Llama3JsonParser:
         body = text.strip().removeprefix(self.TAG).strip()
         if not body.startswith("{"):
             return text, []
-        calls = []
-        for part in re.split(r"\}\s*;\s*\{", body):
-            part = part if part.startswith("{") else "{" + part
-            part = part if part.endswith("}") else part + "}"
+        calls, at, decoder = [], 0, json.JSONDecoder()
+        while at < len(body):
             try:
-                call = _as_call(json.loads(part), ("parameters", "arguments"))
+                obj, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
-                call = None
+                return text, []
+            call = _as_call(obj, ("parameters", "arguments"))
             if call is None:
                 return text, []
             calls.append(call)
+            rest = body[at:].lstrip()
+            at = len(body) - len(rest.removeprefix(";").lstrip())
         return "", calls
 
     def held_from(self, text: str) -> int:
@@ -135,8 +142,8 @@ class Llama3JsonParser:
         schema = _call_schema(tools, "parameters")
         if not many:
             return StructuredOutputsParams(json=schema)
-        body = json.dumps(schema)
-        return StructuredOutputsParams(grammar=f'start: call ("; " call)*\ncall: %json {body}')
+        body = _json_rule(schema)
+        return StructuredOutputsParams(grammar=f'start: call ("; " call)*\ncall: {body}')
 
 
 TOOL_PARSERS: dict[str, type] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
