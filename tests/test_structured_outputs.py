@@ -16,6 +16,7 @@ from llguidance import LLExecutor
 from ostinato import LLM, SamplingParams
 from ostinato.runner.step import SamplingRow
 from ostinato.sampling_params import StructuredOutputsParams
+from ostinato.structured import bitmask
 from ostinato.structured.bitmask import apply_bitmask, fill_bitmask
 from ostinato.structured.grammar import GrammarCompiler
 from ostinato.tokenizer import ByteTokenizer
@@ -70,25 +71,33 @@ def test_apply_bitmask_matches_a_bit_by_bit_reference():
     assert torch.equal(got[1], logits[1])
 
 
-def test_fill_bitmask_rows_plain_constrained_and_drafts():
+@pytest.mark.parametrize("threads", [False, True])
+def test_fill_bitmask_rows_plain_constrained_and_drafts(monkeypatch, threads):
+    if threads:  # llguidance's thread pool, as for large vocabularies
+        monkeypatch.setattr(bitmask, "PARALLEL_FROM_VOCAB", 0)
     compiler = GrammarCompiler(ByteTokenizer(), TINY_VOCAB)
     regex = StructuredOutputsParams(regex="ab[0-9]c")
     rows = [
         SamplingRow("free", SamplingParams(), 0),
         SamplingRow("plain", SamplingParams(structured_outputs=regex), 0),
+        SamplingRow("json", SamplingParams(structured_outputs=regex), 0),
         # drafts "a", "b", "x": the third is forbidden, so the row after it is never used
         SamplingRow("drafts", SamplingParams(structured_outputs=regex), 0, (97, 98, 120)),
     ]
-    matchers = [None, compiler.matcher(regex), compiler.matcher(regex)]
+    moved = compiler.matcher(regex)
+    moved.consume_tokens([97, 98])
+    matchers = [None, compiler.matcher(regex), moved, compiler.matcher(regex)]
     mask = fill_bitmask(rows, matchers, compiler.words, 258, LLExecutor())
-    assert mask.shape == (1 + 1 + 4, -(-TINY_VOCAB // 32))
+    assert mask.shape == (1 + 1 + 1 + 4, -(-TINY_VOCAB // 32))
     assert (mask[0] == -1).all()
+    digits = set(range(ord("0"), ord("9") + 1))
     assert _allowed(mask[1], TINY_VOCAB) == {ord("a")}
-    assert _allowed(mask[2], TINY_VOCAB) == {ord("a")}  # before any draft
-    assert _allowed(mask[3], TINY_VOCAB) == {ord("b")}  # after draft "a"
-    assert _allowed(mask[4], TINY_VOCAB) == set(range(ord("0"), ord("9") + 1))  # after "ab"
-    assert (mask[5] == -1).all()  # after the forbidden "x": unused
-    assert matchers[2].validate_tokens([97]) == 1  # the drafts left the matcher where it was
+    assert _allowed(mask[2], TINY_VOCAB) == digits  # its own state: after "ab"
+    assert _allowed(mask[3], TINY_VOCAB) == {ord("a")}  # before any draft
+    assert _allowed(mask[4], TINY_VOCAB) == {ord("b")}  # after draft "a"
+    assert _allowed(mask[5], TINY_VOCAB) == digits  # after "ab"
+    assert (mask[6] == -1).all()  # after the forbidden "x": unused
+    assert matchers[3].validate_tokens([97]) == 1  # the drafts left the matcher where it was
 
 
 def test_grammars_are_cached_and_bad_ones_name_the_problem():
