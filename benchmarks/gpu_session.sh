@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
+#   bash benchmarks/gpu_session.sh structured M  # structured-output tests, decode constrained vs not
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -54,6 +55,16 @@ async)  # MODEL: decode latency with async scheduling on and off, side by side i
   python3 -m ostinato.cli bench latency --model "$model" --json --batch-size "${BATCHES:-1,8,32,64}" \
     --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 --async-scheduling on,off \
     --cuda-graph-mode "${MODES:-none,piecewise,full_and_piecewise}" 2>>"$OUT/bench.err" | tee -a "$OUT/async-latency.jsonl"
+  grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
+  ;;
+structured)  # MODEL: tests/gpu/test_structured_gpu.py, then decode with every request under one
+  # JSON schema against none, with the host mask time per step (BATCHES narrows it)
+  model=${2:?model}
+  info | tee "$OUT/env.txt"
+  python3 -m pytest tests/gpu/test_structured_gpu.py -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/structured-tests.log"
+  python3 -m ostinato.cli bench latency --model "$model" --json --batch-size "${BATCHES:-1,32}" \
+    --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 --structured-output none,json \
+    --cuda-graph-mode full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/structured-latency.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
   ;;
 parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 on one machine
@@ -170,7 +181,7 @@ generate)
     "The capital of France is" 2>&1 | tail -n 8 | tee "$OUT/generate.txt"
   ;;
 *)
-  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | profile MODEL [TREE] | generate MODEL | parallel | parallel-bench MODEL | lora MODEL" >&2
+  echo "usage: $0 tests | kernels | bench MODEL | capture MODEL | serve MODEL | spec MODEL | profile MODEL [TREE] | generate MODEL | parallel | parallel-bench MODEL | lora MODEL | async MODEL | structured MODEL" >&2
   exit 2
   ;;
 esac

@@ -10,6 +10,7 @@ import itertools
 import json
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +21,7 @@ from ostinato.lora.adapter import BaseShapes, write_random_adapter
 from ostinato.lora.request import LoRARequest
 from ostinato.models.llama import head_dim
 from ostinato.models.registry import get_model_class
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def add_bench_parser(sub) -> None:
@@ -76,6 +77,14 @@ def add_bench_parser(sub) -> None:
     kinds.choices["latency"].add_argument(
         "--lora-rank", type=int, default=16, help="rank of the random adapters (default 16)"
     )
+    kinds.choices["latency"].add_argument(
+        "--structured-output",
+        type=_structured_list,
+        default=["none"],
+        help="comma-separated: none, json (every request constrained by one JSON schema, an "
+        "array of strings longer than the output); each batch runs once per value, and json "
+        "reports the host time of the token bitmask per step (default none)",
+    )
     serve = kinds.add_parser("serve", help="Poisson load on an OpenAI-compatible server")
     bench_serve.add_arguments(serve)
     known = set(map(id, serve._actions))
@@ -101,6 +110,13 @@ def _count_list(text: str) -> list[int]:
         values = []
     if not values or min(values) < 0:
         raise argparse.ArgumentTypeError(f"expected counts like 0,1,4, got {text!r}")
+    return values
+
+
+def _structured_list(text: str) -> list[str]:
+    values = [x for x in text.split(",") if x]
+    if not values or any(v not in STRUCTURED for v in values):
+        raise argparse.ArgumentTypeError(f"expected none and/or json like none,json, got {text!r}")
     return values
 
 
@@ -196,6 +212,24 @@ def norepeat_workload(engine: LLMEngine, batch: int, input_len: int, output_len:
 
 WORKLOADS = {"random": random_workload, "copy": copy_workload, "norepeat": norepeat_workload}
 SPEC_COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens")
+MASK_COUNTERS = ("structured_mask_steps", "structured_mask_seconds")
+STRUCTURED = ("none", "json")
+
+
+def _constrained(workload: Callable, structured: str) -> Callable:
+    """workload with every request constrained by one JSON schema (structured "json"): an
+    array of at least output_len strings, which no answer of output_len tokens completes, so
+    every request runs its whole length."""
+    if structured == "none":
+        return workload
+
+    def constrained(engine, batch, input_len, output_len, seed):
+        prompts, params = workload(engine, batch, input_len, output_len, seed)
+        schema = {"type": "array", "items": {"type": "string"}, "minItems": output_len}
+        so = StructuredOutputsParams(json=schema)
+        return prompts, dataclasses.replace(params, structured_outputs=so)
+
+    return constrained
 
 
 def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams):
@@ -245,9 +279,10 @@ def bench_latency(engine: LLMEngine, build_s: float, args, bandwidth: float | No
     with tempfile.TemporaryDirectory(prefix="ostinato-lora-") as root:
         adapters = random_adapters(engine, max(args.num_loras), args.lora_rank, root)
         results = [
-            _latency(engine, args, bandwidth, batch, adapters[:n])
+            _latency(engine, args, bandwidth, batch, adapters[:n], structured)
             for batch in args.batch_size
             for n in args.num_loras
+            for structured in getattr(args, "structured_output", ["none"])
         ]
     results[-1]["steps"] = engine.graph_report()["steps"]
     return results
@@ -262,21 +297,29 @@ def random_adapters(engine: LLMEngine, count: int, rank: int, root: str) -> list
     ]
 
 
-def _latency(engine: LLMEngine, args, bandwidth: float | None, batch: int, adapters) -> dict:
-    """One batch size with its requests spread over `adapters`: the median of args.iters runs
-    after a warm-up run (which also copies the adapters into their slots)."""
+def _latency(
+    engine: LLMEngine,
+    args,
+    bandwidth: float | None,
+    batch: int,
+    adapters,
+    structured: str = "none",
+) -> dict:
+    """One batch size with its requests spread over `adapters` (and constrained by a JSON
+    schema with structured "json"): the median of args.iters runs after a warm-up run (which
+    also copies the adapters into their slots and compiles the grammar)."""
     config = engine.config
-    workload = WORKLOADS[getattr(args, "workload", "random")]
+    workload = _constrained(WORKLOADS[getattr(args, "workload", "random")], structured)
     # Seeds unique per (batch size, adapters, run): no run's prompts prefix another's.
     seeds = [batch * 1000 + len(adapters) * 100 + i for i in range(args.iters + 1)]
     warm = workload(engine, batch, args.input_len, min(args.output_len, 8), seeds[0])
     _timed_run(engine, *warm, adapters)
-    runs, drafts = [], dict.fromkeys(SPEC_COUNTERS, 0)
+    runs, drafts = [], dict.fromkeys((*SPEC_COUNTERS, *MASK_COUNTERS), 0)
     for seed in seeds[1:]:
         prompts, params = workload(engine, batch, args.input_len, args.output_len, seed)
         before = engine.stats()  # the timed runs' drafts only, not the workload's own
         runs.append(_timed_run(engine, prompts, params, adapters))
-        for key in SPEC_COUNTERS:
+        for key in drafts:
             drafts[key] += engine.stats()[key] - before[key]
     ttft, tpot = sorted(runs)[len(runs) // 2]
     result = {
@@ -293,6 +336,12 @@ def _latency(engine: LLMEngine, args, bandwidth: float | None, batch: int, adapt
     }
     if config.enable_lora:
         result.update(num_loras=len(adapters), lora_rank=args.lora_rank)
+    if structured != "none":
+        steps = max(drafts["structured_mask_steps"], 1)
+        result.update(
+            structured_output=structured,
+            mask_ms_per_step=drafts["structured_mask_seconds"] / steps * 1e3,
+        )
     if config.speculative_method is not None:
         accepted, drafted = drafts["spec_accepted_tokens"], drafts["spec_draft_tokens"]
         result.update(drafts, spec_acceptance_rate=accepted / max(drafted, 1))

@@ -5,6 +5,7 @@ Both give encode, decode, eos_token_id, vocab_size and apply_chat_template.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -12,10 +13,12 @@ from transformers import AutoTokenizer
 from ostinato.loader import is_random
 
 
-def default_chat_prompt(messages: list[dict]) -> str:
+def default_chat_prompt(messages: list[dict], tools: list[dict] | None = None) -> str:
     """The template for tokenizers without one: a "role: content" line per message, then
-    "assistant: " for the reply."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    "assistant: " for the reply; tools first, as a "tools: [JSON]" line."""
+    lines = [f"tools: {json.dumps(tools)}\n"] if tools else []
+    lines += [f"{m['role']}: {m['content']}\n" for m in messages]
+    return "".join(lines) + "assistant: "
 
 
 class ByteTokenizer:
@@ -43,8 +46,10 @@ class ByteTokenizer:
                 run = bytearray()
         return "".join(out) + run.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.encode(default_chat_prompt(messages))
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        return self.encode(default_chat_prompt(messages, tools))
 
 
 class HFTokenizer:
@@ -64,13 +69,16 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """The tokenizer's own template with the generation prompt, else default_chat_prompt.
-        Rendered to text first: templates write their special tokens (BOS) themselves."""
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        """The tokenizer's own template with the generation prompt (and the tools, which the
+        template renders its own way), else default_chat_prompt. Rendered to text first:
+        templates write their special tokens (BOS) themselves."""
         if not self.tokenizer.chat_template:
-            return self.encode(default_chat_prompt(messages))
+            return self.encode(default_chat_prompt(messages, tools))
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
         )
         return self.tokenizer.encode(text, add_special_tokens=False)
 

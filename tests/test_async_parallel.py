@@ -94,3 +94,14 @@ def test_a_worker_killed_with_async_steps_in_flight_stops_the_engine():
     finally:
         engine.shutdown()
     assert not multiprocessing.active_children()
+
+
+def test_structured_outputs_with_async_under_pipeline_parallelism_are_refused_by_name():
+    from ostinato.sampling_params import StructuredOutputsParams
+
+    with LLM("tiny", async_scheduling=True, pipeline_parallel_size=2, **ENGINE) as llm:
+        constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+            choice=["yes", "no"]))  # fmt: skip
+        with pytest.raises(ValueError, match="--async-scheduling off"):
+            llm.generate(["a"], constrained, use_tqdm=False)
+        assert len(llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)) == 1

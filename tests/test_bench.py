@@ -81,3 +81,13 @@ def test_latency_with_random_adapters_per_count(capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["batch_size"], r["num_loras"]) for r in lines] == [(1, 0), (1, 2), (3, 0), (3, 2)]
     assert all(r["lora_rank"] == 4 and r["tpot_ms"] > 0 for r in lines)
+
+
+def test_latency_constrained_by_a_json_schema(capsys):
+    argv = ["bench", "latency", "--batch-size", "2", "--output-len", "5", "--iters", "1"]
+    assert main([*argv, "--structured-output", "none,json", "--device", "cpu", "--json"]) == 0
+    free, constrained = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert "mask_ms_per_step" not in free
+    assert constrained["structured_output"] == "json" and constrained["mask_ms_per_step"] > 0
+    with pytest.raises(SystemExit):
+        main([*argv, "--structured-output", "yaml"])

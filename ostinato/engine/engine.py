@@ -19,6 +19,7 @@ from ostinato.outputs import RequestOutput
 from ostinato.runner.executor import Executor, LocalExecutor, PendingStep
 from ostinato.runner.step import StepInput
 from ostinato.sampling_params import SamplingParams
+from ostinato.structured.grammar import GrammarCompiler
 from ostinato.tokenizer import load_tokenizer
 
 logger = logging.getLogger("ostinato")
@@ -56,6 +57,7 @@ class LLMEngine:
         self.config = config
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         self.executor = create_executor(config, self.hf_config)
         self.runner = self.executor.runner  # the driver's own stage
         num_blocks = self.executor.num_blocks
@@ -112,6 +114,14 @@ class LLMEngine:
             raise ValueError(
                 f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
             )
+        if params.structured_outputs is not None:
+            if self.config.async_scheduling and self.config.world_size > 1:
+                # a worker rank cannot hold its logits until the host has the grammar's mask
+                raise ValueError(
+                    "structured outputs with async scheduling need one process: start the "
+                    "engine with --async-scheduling off when pipeline or tensor parallelism is on"
+                )
+            self.grammars.matcher(params.structured_outputs)  # compiled (and cached) now
         self.register_lora(lora_request)
         return self.encode_prompt(prompt)
 
@@ -143,6 +153,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running: use a new id")
         lora_name = lora_request.name if lora_request is not None else None
         seq = Sequence(request_id, token_ids, params, lora_name)
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         self.requests[request_id] = seq
         if self.detokenize:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
@@ -174,6 +186,7 @@ class LLMEngine:
                 break
             previous = self.in_flight[-1][1] if self.in_flight else None
             step = self.runner.build_step(batch, self.lora, previous)
+            self._constrain(step)
             try:
                 pending = self.executor.submit(step)
             except BaseException:
@@ -207,7 +220,29 @@ class LLMEngine:
                     outputs.append(self._append_tokens(seq, tokens, logprobs))
         finally:  # after the tokens are appended: the prefix cache hashes them
             self.scheduler.complete(batch, accepted)
+        if self.in_flight and self.in_flight[0][1].mask_pending:
+            _, held, pending = self.in_flight[0]
+            pending.sample(self.grammars.bitmask(held.sampling, self._matchers(held)))
         return outputs
+
+    def _constrain(self, step: StepInput) -> None:
+        """The token bitmask of a step with structured outputs. When a constrained request's
+        last token is still in flight (async scheduling), its grammar cannot tell yet: the step
+        launches with mask_pending, and step() hands it the mask once that token is read, while
+        the device runs the step's forward."""
+        if not any(row.params.structured_outputs for row in step.sampling):
+            return
+        for row in step.sampling:
+            seq = self.requests[row.request_id]
+            if seq.grammar is not None and row.position > len(seq.token_ids):
+                step.mask_pending = True
+                return
+        step.bitmask = self.grammars.bitmask(step.sampling, self._matchers(step))
+
+    def _matchers(self, step: StepInput) -> list:
+        """Each sampling row's grammar matcher; None for a request without one or ended."""
+        seqs = (self.requests.get(row.request_id) for row in step.sampling)
+        return [seq.grammar if seq is not None else None for seq in seqs]
 
     def _drop_in_flight(self, also: list) -> None:
         """A step failed: every batch in flight (and `also`) leaves flight without having run."""
@@ -233,6 +268,10 @@ class LLMEngine:
             if detok is not None:
                 detok.update(output_ids)
             reason = self._finish_reason(seq, token, detok)
+            if seq.grammar is not None and reason is None:
+                seq.grammar.consume_token(token)
+                if seq.grammar.is_stopped():  # the grammar is complete: nothing may follow
+                    reason = "stop"
             if reason is not None:
                 tokens = tokens[: i + 1]
                 break
@@ -281,6 +320,8 @@ class LLMEngine:
             "spec_draft_tokens": self.spec_draft_tokens,
             "spec_accepted_tokens": self.spec_accepted_tokens,
             "spec_acceptance_rate": self.spec_accepted_tokens / max(self.spec_draft_tokens, 1),
+            "structured_mask_steps": self.grammars.mask_steps,
+            "structured_mask_seconds": self.grammars.mask_seconds,
         }
 
     def graph_report(self) -> dict:

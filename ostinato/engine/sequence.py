@@ -40,6 +40,7 @@ class Sequence:
         self.num_committed_blocks = 0  # leading full blocks already offered to the prefix cache
         self.block_hashes: list[int] = []  # chain hashes of the full blocks, in order
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.grammar = None  # structured outputs: its llguidance matcher, advanced per token
 
     def __len__(self) -> int:
         return len(self.token_ids)

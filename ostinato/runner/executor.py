@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
+
 from ostinato.config import EngineConfig
 from ostinato.runner.model_runner import ModelRunner
 from ostinato.runner.sampler import SamplerOutput
@@ -36,6 +38,20 @@ class Deferred:
         self.result = run
 
 
+class HeldSample:
+    """A launched step whose sampling waits for its token bitmask (StepInput.mask_pending):
+    the engine calls sample() once the grammars have read the tokens in flight."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.sampled = runner, None
+
+    def sample(self, bitmask: np.ndarray) -> None:
+        self.sampled = self.runner.sample_held(bitmask)
+
+    def result(self) -> SamplerOutput:
+        return self.sampled.result()
+
+
 class LocalExecutor:
     """The whole model in this process: a step is launched when it is submitted. With async
     scheduling two steps are in flight: the engine builds and launches the next one while the
@@ -49,8 +65,10 @@ class LocalExecutor:
         self.num_blocks = self.runner.num_blocks
         self.max_in_flight = 2 if config.async_scheduling else 1
 
-    def submit(self, step: StepInput) -> Deferred:
+    def submit(self, step: StepInput) -> Deferred | HeldSample:
         sampled = self.runner.launch(step)
+        if step.mask_pending:
+            return HeldSample(self.runner)
         return Deferred(lambda: sampled.result() if sampled is not None else None)
 
     def graph_report(self) -> dict:

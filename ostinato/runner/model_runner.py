@@ -12,6 +12,7 @@ import gc
 import logging
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ostinato.attention import get_attention_backend
@@ -112,6 +113,7 @@ class ModelRunner:
         ) - allocated_before
         self.sampler = Sampler(device_timeout)
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
+        self.held = None  # logits and rows of a step whose sampling waits for its bitmask
         self.graphs = GraphRunner(config, tp_group().agree_max)
         self.kv_caches: list = []
         self.num_graph_checks = 0
@@ -264,8 +266,22 @@ class ModelRunner:
         if tp_group().rank != 0:
             self._share(step, None)
             return None
-        self.last_sampled = self.sampler.launch(logits, step.sampling)
+        if step.mask_pending:  # sampled by sample_held() once the engine has the mask
+            self.held = (logits, step.sampling)
+            return None
+        self._sample(logits, step.sampling, step.bitmask)
         self._share(step, self.last_sampled.tokens)
+        return self.last_sampled
+
+    def sample_held(self, bitmask: np.ndarray) -> SampledTokens:
+        """Sample the last launched step, which waited for its token bitmask."""
+        (logits, rows), self.held = self.held, None
+        return self._sample(logits, rows, bitmask)
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list, bitmask: np.ndarray | None
+    ) -> SampledTokens:
+        self.last_sampled = self.sampler.launch(logits, rows, bitmask)
         return self.last_sampled
 
     def _share(self, step: StepInput, tokens: torch.Tensor | None) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ostinato.runner.deadline import wait_for
 from ostinato.runner.step import SamplingRow
 from ostinato.speculative.rejection import accepted_prefix, race
+from ostinato.structured.bitmask import apply_bitmask
 
 
 @dataclass
@@ -98,14 +100,23 @@ class Sampler:
     def __init__(self, timeout: float | None = None) -> None:
         self.timeout = timeout
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.launch(logits, rows).result()
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: np.ndarray | None = None
+    ) -> SamplerOutput:
+        return self.launch(logits, rows, bitmask).result()
 
-    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    def launch(
+        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: np.ndarray | None = None
+    ) -> SampledTokens:
         """Sample on the device without waiting for it. logits [sum of 1 +
         len(row.draft_token_ids), vocab]: each row's logits rows in order (see SamplingRow);
-        every logits row gets a sample, and a draft stands when its row sampled it."""
+        every logits row gets a sample, and a draft stands when its row sampled it.
+        bitmask: the tokens each logits row may take (structured outputs; see
+        ostinato/structured/bitmask.py), applied first: logprobs are those of the masked
+        distribution, and a draft the grammar forbids is rejected."""
         logits = logits.float()
+        if bitmask is not None:
+            apply_bitmask(logits, _on(logits.device, torch.from_numpy(bitmask)))
         owners = [row for row in rows for _ in range(1 + len(row.draft_token_ids))]
         if all(row.params.greedy for row in rows):
             tokens = logits.argmax(dim=-1)

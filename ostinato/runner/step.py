@@ -42,6 +42,11 @@ class StepInput:
     before it, still in flight, samples them. input_ids holds 0 there; the runner copies
     the previous step's sampled token of logits row placeholder_rows[i] into input token
     placeholder_tokens[i] on the device.
+
+    bitmask [logits rows, ceil(vocab / 32)] int32: the tokens each logits row may sample when
+    a request has structured outputs (None: no constraint). When a constrained request's
+    grammar waits for the token in flight, mask_pending is set instead: the step's forward
+    runs at once and its sampling waits for the engine to hand over the mask.
     """
 
     mode: CudaGraphMode
@@ -58,6 +63,8 @@ class StepInput:
     lora_loads: tuple[LoRALoad, ...] = ()
     placeholder_tokens: np.ndarray | None = None
     placeholder_rows: np.ndarray | None = None
+    bitmask: np.ndarray | None = None
+    mask_pending: bool = False
 
     @property
     def num_tokens(self) -> int:

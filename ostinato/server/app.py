@@ -27,7 +27,7 @@ from ostinato.engine.async_engine import (
 )
 from ostinato.lora.request import LoRARequest
 from ostinato.outputs import RequestOutput
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 from ostinato.server import protocol
 from ostinato.server.metrics import CONTENT_TYPE, ServerMetrics
 from ostinato.server.protocol import (
@@ -37,6 +37,7 @@ from ostinato.server.protocol import (
     bad_value,
     error_body,
 )
+from ostinato.server.tools import TOOL_PARSERS, ToolParser
 
 if TYPE_CHECKING:
     from ostinato.engine.core_client import EngineCoreClient
@@ -59,6 +60,7 @@ class _Call:
     num_logprobs: int | None
     stops: list[str]
     decode: Any  # tokenizer.decode, for logprob token strings
+    tools: ToolParser | None = None  # chat with tools: replies are parsed for tool calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -81,8 +83,25 @@ class _Call:
             body = {"delta": {"content": text}} if delta else {"message": _message(text)}
         else:
             body = {"text": text}
+        if self.tools is not None and out.finished:
+            calls = self._tool_calls(out.text, text_offset, delta)
+            if calls is not None:
+                body, finish = calls, "tool_calls" if finish == "stop" else finish
         logprobs = self._logprobs(out, start, text_offset)
         return {"index": i, **body, "logprobs": logprobs, "finish_reason": finish}
+
+    def _tool_calls(self, text: str, offset: int, delta: bool) -> dict | None:
+        """The message (or a stream's last delta, after `offset` characters were sent) of a
+        reply that calls tools; None when it calls none."""
+        content, calls = self.tools.parse(text)
+        if not calls:
+            return None
+        if delta:
+            rest = content[offset:]
+            entries = [c.openai(k) for k, c in enumerate(calls)]
+            return {"delta": ({"content": rest} if rest.strip() else {}) | {"tool_calls": entries}}
+        message = _message(content.strip() or None) | {"tool_calls": [c.openai() for c in calls]}
+        return {"message": message}
 
     def _logprobs(self, out: RequestOutput, start: int, offset: int) -> dict | None:
         if self.num_logprobs is None or out.logprobs is None:
@@ -114,7 +133,7 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _message(text: str) -> dict[str, str]:
+def _message(text: str | None) -> dict[str, str | None]:
     return {"role": "assistant", "content": text}
 
 
@@ -142,8 +161,15 @@ class OpenAIServer:
         engine: EngineClient,
         served_model_names: list[str],
         adapters: Sequence[LoRARequest] = (),
+        tool_call_parser: str | None = None,
     ) -> None:
-        """adapters: LoRA adapters clients name as `model`; each is checked here (ValueError)."""
+        """adapters: LoRA adapters clients name as `model`; each is checked here (ValueError).
+        tool_call_parser: the format of the model's tool calls (a TOOL_PARSERS name)."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"unknown tool call parser {tool_call_parser!r}: choose {', '.join(TOOL_PARSERS)}"
+            )
+        self.tool_parser = TOOL_PARSERS[tool_call_parser]() if tool_call_parser else None
         self.metrics = ServerMetrics()
         self.engine = engine
         engine.on_finish = self.metrics.observe_finish
@@ -163,24 +189,43 @@ class OpenAIServer:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         lora = self._check_model(body.model)
         requests = []
+        constraint = body.constraint()
         for prompt in body.prompts():
             max_tokens = self._room(prompt) if body.max_tokens is None else body.max_tokens
-            requests += self._choices(body, prompt, max_tokens, body.logprobs)
+            requests += self._choices(body, prompt, max_tokens, body.logprobs, constraint)
         return await self._answer(raw, body, requests, False, body.logprobs, "prompt", lora)
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         lora = self._check_model(body.model)
+        tools, constraint = body.tool_dicts(), body.constraint()
+        parser = self._tool_parser() if tools else None
+        forced = body.forced_tools(tools) if tools else None
+        if forced is not None:
+            if constraint is not None:
+                message = "a forced tool_choice cannot be combined with a response format"
+                raise APIError(400, message, "tool_choice")
+            many = body.tool_choice == "required" and body.parallel_tool_calls
+            constraint = parser.constraint(forced, many)
         try:
-            prompt = self.tokenizer.apply_chat_template(body.chat())
+            prompt = self.tokenizer.apply_chat_template(body.chat(), tools=tools)
         except ValueError as e:
             raise bad_value(e, "messages") from e
         limits = (body.max_completion_tokens, body.max_tokens)
         max_tokens = next((m for m in limits if m is not None), None)
         if max_tokens is None:
             max_tokens = self._room(prompt)
-        requests = self._choices(body, prompt, max_tokens, body.num_logprobs())
+        requests = self._choices(body, prompt, max_tokens, body.num_logprobs(), constraint)
         num_logprobs = body.num_logprobs()
-        return await self._answer(raw, body, requests, True, num_logprobs, "messages", lora)
+        return await self._answer(raw, body, requests, True, num_logprobs, "messages", lora, parser)
+
+    def _tool_parser(self) -> ToolParser:
+        if self.tool_parser is None:
+            message = (
+                "tools need a tool call parser: start the server with --tool-call-parser "
+                f"({' or '.join(TOOL_PARSERS)}, the format of the model's calls)"
+            )
+            raise APIError(400, message, "tools")
+        return self.tool_parser
 
     async def models(self) -> dict:
         """The base model's names, then each LoRA adapter (its parent: the first name)."""
@@ -221,10 +266,17 @@ class OpenAIServer:
 
     @staticmethod
     def _choices(
-        body: protocol.GenerationRequest, prompt: Prompt, max_tokens: int, logprobs: int | None
+        body: protocol.GenerationRequest,
+        prompt: Prompt,
+        max_tokens: int,
+        logprobs: int | None,
+        constraint: StructuredOutputsParams | None,
     ) -> list[tuple[Prompt, SamplingParams]]:
         try:
-            return [(prompt, body.sampling_params(max_tokens, logprobs, j)) for j in range(body.n)]
+            return [
+                (prompt, body.sampling_params(max_tokens, logprobs, j, constraint))
+                for j in range(body.n)
+            ]
         except ValueError as e:
             raise bad_value(e, "prompt") from e
 
@@ -237,14 +289,15 @@ class OpenAIServer:
         num_logprobs: int | None,
         param: str,
         lora: LoRARequest | None,
+        tools: ToolParser | None = None,
     ) -> Response:
         prefix = "chatcmpl" if chat else "cmpl"
         call_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = [f"{call_id}-{i}" for i in range(len(requests))]
         stops = requests[0][1].stop
         decode = self.tokenizer.decode
-        call = _Call(call_id, body.model, chat, body.n, ids, num_logprobs, stops, decode)
-        stream = await self._add(requests, ids, param, lora)
+        call = _Call(call_id, body.model, chat, body.n, ids, num_logprobs, stops, decode, tools)
+        stream = await self._add(requests, ids, param, lora, body.constraint_field)
         if body.stream:
             events = self._events(call, stream, body.include_usage)
             return _EventStream(events, media_type="text/event-stream")
@@ -262,11 +315,17 @@ class OpenAIServer:
         ids: list[str],
         param: str,
         lora: LoRARequest | None,
+        constraint_field: str,
     ) -> RequestStream:
         try:
             return await self.engine.add(requests, ids, lora)
         except ValueError as e:
-            raise bad_value(e, param) from e
+            message = str(e)
+            if not message.startswith("structured_outputs"):
+                raise bad_value(e, param) from e
+            if constraint_field != "structured_outputs":  # name the field the grammar came from
+                message = constraint_field + ":" + message.partition(":")[2]
+            raise APIError(400, message, constraint_field.partition(".")[0]) from e
 
     async def _events(
         self, call: _Call, stream: RequestStream, include_usage: bool
@@ -285,6 +344,8 @@ class OpenAIServer:
                     break
                 i = call.index[out.request_id]
                 visible = out.text if out.finished else _without_stop_prefix(out.text, call.stops)
+                if call.tools is not None and not out.finished:  # a tool call is sent whole
+                    visible = visible[: call.tools.held_from(visible)]
                 offset, start = sent_text[i], sent_tokens[i]
                 text = visible[offset:]
                 sent_text[i], sent_tokens[i] = len(visible), len(out.token_ids)
@@ -357,12 +418,16 @@ def _closed(_: Request, exc: EngineClosedError) -> JSONResponse:
 
 
 def build_app(
-    engine: EngineClient, served_model_names: list[str], adapters: Sequence[LoRARequest] = ()
+    engine: EngineClient,
+    served_model_names: list[str],
+    adapters: Sequence[LoRARequest] = (),
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app over an engine client; its lifespan starts and stops it
     (app.state.async_engine). `adapters`: LoRA adapters clients pick by name as `model`,
-    checked here (ValueError)."""
-    server = OpenAIServer(engine, served_model_names, adapters)
+    checked here (ValueError). `tool_call_parser`: the format of the model's tool calls
+    (server/tools.py)."""
+    server = OpenAIServer(engine, served_model_names, adapters, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

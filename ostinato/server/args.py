@@ -33,6 +33,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the engine config's max_waiting_requests)",
     )
     group.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="the format of the model's tool calls, parsed into tool_calls: hermes "
+        "(<tool_call> JSON: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.1/3.2); "
+        "without it, requests with tools are refused",
+    )
+    group.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

@@ -36,7 +36,8 @@ def serve(config: EngineConfig, args: argparse.Namespace) -> int:
     adapters = [LoRARequest(name, path) for name, path in args.lora_modules]
     engine = EngineCoreClient(config, adapters)
     try:
-        app = build_app(engine, args.served_model_name or [config.model], adapters)
+        names = args.served_model_name or [config.model]
+        app = build_app(engine, names, adapters, args.tool_call_parser)
         uv_config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level
         )

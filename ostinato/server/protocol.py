@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from ostinato.sampling_params import SamplingParams
+from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Request fields a SamplingParams error can name; its messages begin with the field's name.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "logprobs", "stop")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "logprobs",
+    "stop",
+    "structured_outputs",
+)
 
 
 class APIError(Exception):
@@ -49,6 +59,43 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Strict(BaseModel):
+    """A request object whose unknown fields are a 400 (not silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JSONSchemaFormat(Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` extension (extra_body with the openai client)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+        )
+
+
 class GenerationRequest(BaseModel):
     model: str
     max_tokens: int | None = None
@@ -61,12 +108,48 @@ class GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension: generate exactly max_tokens tokens
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice: int) -> SamplingParams:
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What response_format or structured_outputs asks the output to match."""
+        fmt, extension = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and extension is not None:
+            raise APIError(
+                400, "give response_format or structured_outputs, not both", "response_format"
+            )
+        if extension is not None:
+            try:
+                return extension.params()
+            except ValueError as e:
+                raise bad_value(e, "structured_outputs") from e
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None:
+            message = "response_format.json_schema is required when type is json_schema"
+            raise APIError(400, message, "response_format")
+        return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+    @property
+    def constraint_field(self) -> str:
+        """The request field that an error of the constraint names."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return "response_format.json_schema.schema" if self.response_format else "tools"
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        choice: int,
+        constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Parameters of the choice-th of n samples; raises ValueError naming a bad field."""
         return SamplingParams(
             temperature=self.temperature,
@@ -78,6 +161,7 @@ class GenerationRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=constraint,
         )
 
 
@@ -98,6 +182,19 @@ class CompletionRequest(GenerationRequest):
 class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        return out
 
     def text(self) -> str:
         """The content as text; parts other than text are refused."""
@@ -108,17 +205,69 @@ class ChatMessage(BaseModel):
         return "".join(part.get("text", "") for part in self.content)
 
 
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):  # text that is not JSON stays text
+        with contextlib.suppress(json.JSONDecodeError):
+            fn["arguments"] = json.loads(fn["arguments"])
+    return {**call, "function": fn}
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # forced calls always follow the parameters schema
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools the model is shown (none with tool_choice "none"), as templates read them."""
+        if self.tool_choice is not None and not self.tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The tools a call must be made to (tool_choice required or a named function)."""
+        if self.tool_choice == "required":
+            return tools
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        name = self.tool_choice.function.name
+        named = [t for t in tools if t["function"]["name"] == name]
+        if not named:
+            raise APIError(400, f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        return named
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

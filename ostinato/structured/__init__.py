@@ -1,0 +1,1 @@
+"""Structured outputs: grammars (llguidance) that constrain what a request may generate."""
