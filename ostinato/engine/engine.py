@@ -86,10 +86,18 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> list[int]:
         """Token ids of a request the engine can run, or a ValueError naming the problem."""
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.vocab_size:
+                raise ValueError(
+                    f"{name}={n} is more than the vocabulary's {self.vocab_size} tokens"
+                )
+        for name in ("stop_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} names token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
+                )
         self.register_lora(lora_request)
         return self.encode_prompt(prompt)
 
@@ -119,7 +127,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running: use a new id")
         lora_name = lora_request.name if lora_request is not None else None
-        seq = Sequence(request_id, token_ids, params, lora_name)
+        seq = Sequence(request_id, token_ids, params, lora_name, self.tokenizer.eos_token_id)
         self.requests[request_id] = seq
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
@@ -168,6 +176,9 @@ class LLMEngine:
         try:
             if sampled is not None:
                 seqs = {seq.request_id: seq for seq in batch.seqs}
+                for request_id, start, entries in sampled.prompt_logprobs:
+                    scores = seqs[request_id].prompt_logprobs
+                    scores[start : start + len(entries)] = entries
                 for row, tokens, logprobs in zip(
                     step.sampling, sampled.token_ids, sampled.logprobs, strict=True
                 ):
@@ -223,6 +234,7 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
         )
 
@@ -230,14 +242,15 @@ class LLMEngine:
         self, seq: Sequence, token: int, detok: IncrementalDetokenizer
     ) -> str | None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token == self.tokenizer.eos_token_id):
-            return "stop"
-        for stop in p.stop:
-            at = detok.text.find(stop)
-            if at != -1:
-                detok.text = detok.text[:at]
-                detok.text_stopped = True
+        if seq.num_output_tokens >= p.min_tokens:  # before min_tokens nothing stops it
+            if token in seq.stop_ids:
                 return "stop"
+            for stop in p.stop:
+                at = detok.text.find(stop)
+                if at != -1:
+                    detok.text = detok.text[:at]
+                    detok.text_stopped = True
+                    return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None

@@ -27,12 +27,13 @@ from ostinato.lora.slots import AdapterSlots
 from ostinato.models.base import IntermediateTensors
 from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
-from ostinato.runner.sampler import SampledTokens, Sampler, SamplerOutput
+from ostinato.runner.sampler import PromptScores, SampledTokens, Sampler, SamplerOutput
 from ostinato.runner.step import StepInput, build_step, dummy_step
 
 logger = logging.getLogger("ostinato")
 
 StageOutput = torch.Tensor | IntermediateTensors
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored per logits pass (the sampling peak's rows)
 
 
 class StageLink(Protocol):
@@ -226,16 +227,31 @@ class ModelRunner:
         if not self.rank.is_last_stage:
             self.link.send(_rows(out, num_tokens))
             return None
-        if not step.sampling:
+        if not step.sampling and not step.prompt_rows:
             return None
-        logits = self._logits(out, len(step.logits_indices))
+        num_rows = step.num_sampling_rows
+        logits = self._logits(out, 0, num_rows)
+        prompt = self._prompt_scores(out, step) if step.prompt_rows else None
         if tp_group().rank != 0:
             return None
-        self.last_sampled = self.sampler.launch(logits, step.sampling)
+        d = self.buffers.device
+        inputs = lambda: d["input_ids"][d["logits_indices"][:num_rows]]  # noqa: E731
+        self.last_sampled = self.sampler.launch(logits, step.sampling, inputs, prompt)
         return self.last_sampled
 
-    def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
-        return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_rows]])
+    def _logits(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][start:stop]])
+
+    def _prompt_scores(self, hidden: torch.Tensor, step: StepInput) -> PromptScores:
+        """Logprobs of the prompt positions the step scores (the logits rows after the
+        sampling ones), PROMPT_LOGITS_ROWS rows at a time: a long prefill chunk's logits
+        would otherwise take [chunk, vocab] floats at once."""
+        first, stop = step.num_sampling_rows, len(step.logits_indices)
+        chunks = (
+            self._logits(hidden, a, min(a + PROMPT_LOGITS_ROWS, stop))
+            for a in range(first, stop, PROMPT_LOGITS_ROWS)
+        )
+        return PromptScores.score(step.prompt_rows, chunks, self.device)
 
     def _intermediate(self, num_tokens: int) -> IntermediateTensors:
         return _rows(self.intermediate, num_tokens)
