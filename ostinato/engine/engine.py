@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from dataclasses import replace
 
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
 from ostinato.engine.detokenizer import IncrementalDetokenizer
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
-from ostinato.loader import load_hf_config
+from ostinato.loader import load_hf_config, resolve_model
 from ostinato.lora.adapter import BaseShapes
 from ostinato.lora.request import LoRARequest
 from ostinato.lora.slots import AdapterSlots
@@ -26,6 +27,7 @@ logger = logging.getLogger("ostinato")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        config = replace(config, model=resolve_model(config.model, config.revision))
         self.hf_config = load_hf_config(config.model)
         config = config.for_model(self.hf_config)
         self.config = config
