@@ -34,7 +34,8 @@ class EngineConfig:
     bfloat16 on CUDA and float32 on CPU, the Triton backend on CUDA and torch on CPU.
     """
 
-    model: str = "tiny"
+    model: str = "tiny"  # a preset, a local directory or a Hugging Face Hub id (org/name)
+    revision: str | None = None  # the Hub revision (branch, tag or commit) of a Hub id
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

@@ -15,6 +15,7 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--seed", int, "seed for random weights and unseeded sampling"),
     ("--max-num-seqs", int, "most requests in one step"),
     ("--max-num-batched-tokens", int, "most tokens in one step (prefill chunks + decodes)"),
+    ("--revision", str, "Hub revision (branch, tag or commit) of a Hub model id"),
     ("--max-model-len", int, "longest prompt + output; None: the model's context, at most 4096"),
     ("--gpu-memory-utilization", float, "fraction of GPU memory the engine may take"),
     ("--kv-cache-memory", int, "bytes of KV cache on CPU"),

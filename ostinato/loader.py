@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,11 +110,39 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-8b": _LLAMA_3_1_8B,
 }
 _SHOW_PROGRESS_BYTES = 2**30
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
+# what a Hub snapshot needs: config, generation config, tokenizer files, weights and index
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
 def is_random(model: str) -> bool:
     """Whether `model` names a preset with random weights rather than a directory."""
     return model == "tiny" or model.startswith("random:")
+
+
+def resolve_model(model: str, revision: str | None = None) -> str:
+    """A directory for `model`: presets and local paths as they are; a Hub id (org/name) is
+    downloaded (config, tokenizer, safetensors) into huggingface_hub's cache, or found there,
+    which honours HF_HOME, HF_TOKEN and HF_HUB_OFFLINE."""
+    if is_random(model) or Path(model).exists() or not HUB_ID.fullmatch(model):
+        return model
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(model, revision=revision, allow_patterns=HUB_FILES)
+    except Exception as e:  # noqa: BLE001 (network, auth, missing repo or revision, no cache)
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"cannot get {model!r} from the Hugging Face Hub ({reason}): check the id and "
+            "--revision and HF_TOKEN, or without network set HF_HUB_OFFLINE=1 with the model "
+            "already in the cache (HF_HOME), or give a local directory"
+        ) from None
+    if not any(Path(path).glob("*.safetensors")):
+        raise ValueError(
+            f"{model!r} on the Hugging Face Hub has no *.safetensors weights (other formats are "
+            "not supported): convert it and give a local directory"
+        )
+    return path
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
@@ -127,8 +156,8 @@ def load_hf_config(model: str) -> PretrainedConfig:
     path = Path(model)
     if not path.exists():
         raise ValueError(
-            f"model path {model!r} does not exist: give a local Hugging Face directory, "
-            f"'tiny' or 'random:<preset>' (presets: {', '.join(PRESETS)})"
+            f"model path {model!r} does not exist: give a local Hugging Face directory, a Hub "
+            f"id (org/name), 'tiny' or 'random:<preset>' (presets: {', '.join(PRESETS)})"
         )
     if not (path / "config.json").is_file():
         raise ValueError(f"{model!r} has no config.json: it is not a Hugging Face model directory")

@@ -17,4 +17,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None  # per generated token: top-N id -> logprob
+    # per prompt token (None for the first): top-N id -> logprob, and the prompt token's
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0

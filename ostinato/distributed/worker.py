@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -93,9 +93,11 @@ def worker_main(rank: int, config: EngineConfig, meet: Rendezvous | None, parent
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank} %(levelname)s: %(message)s")
     if not config.is_cuda:  # ranks on one machine share its cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
-    from ostinato.loader import load_hf_config
+    from ostinato.loader import load_hf_config, resolve_model
 
     try:
+        # a torchrun rank gets a Hub id from its own cache (spawned ranks get the driver's path)
+        config = replace(config, model=resolve_model(config.model, config.revision))
         world = join(config, rank, meet)
         serve(world, load_stage(world, load_hf_config(config.model)))
     except BaseException:

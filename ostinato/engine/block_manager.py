@@ -48,8 +48,8 @@ class BlockManager:
         """
         assert not seq.block_ids and seq.num_computed_tokens == 0
         self._hash_full_blocks(seq)
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return  # prompt logprobs need every prompt position computed
         usable = (len(seq) - 1) // self.block_size
         for h in seq.block_hashes[:usable]:
             block = self.block_of_hash.get(h)

@@ -131,7 +131,9 @@ def _delta(out: RequestOutput) -> m.Delta:
     new = out.new_token_ids
     logprobs = out.logprobs[len(out.logprobs) - len(new) :] if out.logprobs is not None else None
     reason = out.finish_reason if out.finished else None
-    return m.Delta(out.request_id, list(new), logprobs, reason, out.num_cached_tokens)
+    first = len(new) == len(out.token_ids)  # the prompt is scored before the first token
+    prompt = out.prompt_logprobs if first else None
+    return m.Delta(out.request_id, list(new), logprobs, reason, out.num_cached_tokens, prompt)
 
 
 def core_main(

@@ -63,6 +63,7 @@ class _Request:
     arrival: float
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     first_token: float | None = None
     last: RequestOutput | None = None
 
@@ -251,6 +252,8 @@ class EngineCoreClient:
         if req is None:
             return None  # aborted here after the core ran its step
         reason = delta.finish_reason
+        if delta.prompt_logprobs is not None:
+            req.prompt_logprobs = delta.prompt_logprobs
         kept: list[int] = []
         for i, token in enumerate(delta.new_token_ids):
             req.token_ids.append(token)
@@ -258,7 +261,9 @@ class EngineCoreClient:
             if req.logprobs is not None and delta.logprobs is not None:
                 req.logprobs.append(delta.logprobs[i])
             req.detok.update(req.token_ids)
-            if cut_at_stop(req.detok, req.params.stop):
+            if len(req.token_ids) >= req.params.min_tokens and cut_at_stop(
+                req.detok, req.params.stop
+            ):
                 if reason is None:
                     self._send(m.Abort([delta.request_id]))
                 reason = "stop"
@@ -276,6 +281,7 @@ class EngineCoreClient:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            prompt_logprobs=req.prompt_logprobs,
             num_cached_tokens=delta.num_cached_tokens,
         )
         req.last = out

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from dataclasses import replace
 
 from ostinato.config import EngineConfig
 from ostinato.engine.block_manager import BlockManager
 from ostinato.engine.detokenizer import IncrementalDetokenizer, cut_at_stop
 from ostinato.engine.scheduler import ScheduledBatch, Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
-from ostinato.loader import load_hf_config
+from ostinato.loader import load_hf_config, resolve_model
 from ostinato.lora.adapter import BaseShapes
 from ostinato.lora.request import LoRARequest
 from ostinato.lora.slots import AdapterSlots
@@ -52,6 +53,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """detokenize=False: outputs carry token ids only (text stays empty) and stop strings
         are not checked; the engine-core process leaves both to the HTTP process."""
+        config = replace(config, model=resolve_model(config.model, config.revision))
         self.hf_config = load_hf_config(config.model)
         config = config.for_model(self.hf_config)
         self.config = config
@@ -110,10 +112,18 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
     ) -> list[int]:
         """Token ids of a request the engine can run, or a ValueError naming the problem."""
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"logprobs={params.logprobs} is more than the vocabulary's {self.vocab_size} tokens"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.vocab_size:
+                raise ValueError(
+                    f"{name}={n} is more than the vocabulary's {self.vocab_size} tokens"
+                )
+        for name in ("stop_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) if t >= self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} names token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
+                )
         if params.structured_outputs is not None:
             if self.config.async_scheduling and self.config.world_size > 1:
                 # a worker rank cannot hold its logits until the host has the grammar's mask
@@ -152,7 +162,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running: use a new id")
         lora_name = lora_request.name if lora_request is not None else None
-        seq = Sequence(request_id, token_ids, params, lora_name)
+        seq = Sequence(request_id, token_ids, params, lora_name, self.tokenizer.eos_token_id)
         if params.structured_outputs is not None:
             seq.grammar = self.grammars.matcher(params.structured_outputs)
         self.requests[request_id] = seq
@@ -207,6 +217,9 @@ class LLMEngine:
         try:
             if sampled is not None:
                 seqs = {seq.request_id: seq for seq in batch.seqs}
+                for request_id, start, entries in sampled.prompt_logprobs:
+                    scores = seqs[request_id].prompt_logprobs
+                    scores[start : start + len(entries)] = entries
                 for row, tokens, logprobs in zip(
                     step.sampling, sampled.token_ids, sampled.logprobs, strict=True
                 ):
@@ -289,6 +302,7 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
         )
 
@@ -296,10 +310,11 @@ class LLMEngine:
         self, seq: Sequence, token: int, detok: IncrementalDetokenizer | None
     ) -> str | None:
         p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token == self.tokenizer.eos_token_id):
-            return "stop"
-        if detok is not None and cut_at_stop(detok, p.stop):
-            return "stop"
+        if seq.num_output_tokens >= p.min_tokens:  # before min_tokens nothing stops it
+            if token in seq.stop_ids:
+                return "stop"
+            if detok is not None and cut_at_stop(detok, p.stop):
+                return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None

@@ -59,6 +59,8 @@ class Delta(msgspec.Struct, array_like=True):
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     num_cached_tokens: int
+    # on a request's first delta only: each prompt position's logprobs (the first None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Step(msgspec.Struct, tag=True):

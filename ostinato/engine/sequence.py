@@ -20,6 +20,7 @@ class Sequence:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora_name: str | None = None,
+        eos_token_id: int | None = None,
     ):
         self.request_id = request_id
         self.lora_name = lora_name  # the adapter it runs through; None: the base model
@@ -28,6 +29,9 @@ class Sequence:
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        # the tokens that end it: its stop_token_ids, and EOS unless it ignores EOS
+        eos = () if params.ignore_eos or eos_token_id is None else (eos_token_id,)
+        self.stop_ids = frozenset((*params.stop_token_ids, *eos))
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
@@ -41,6 +45,10 @@ class Sequence:
         self.block_hashes: list[int] = []  # chain hashes of the full blocks, in order
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.grammar = None  # structured outputs: its llguidance matcher, advanced per token
+        # per prompt position (the first has none), filled as prefill chunks score them
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

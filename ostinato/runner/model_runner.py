@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -29,12 +30,13 @@ from ostinato.lora.slots import AdapterSlots
 from ostinato.models.base import IntermediateTensors
 from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
-from ostinato.runner.sampler import SampledTokens, Sampler, SamplerOutput
+from ostinato.runner.sampler import PromptScores, SampledTokens, Sampler, SamplerOutput
 from ostinato.runner.step import StepInput, build_step, dummy_step
 
 logger = logging.getLogger("ostinato")
 
 StageOutput = torch.Tensor | IntermediateTensors
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored per logits pass (the sampling peak's rows)
 
 
 class StageLink(Protocol):
@@ -260,33 +262,38 @@ class ModelRunner:
             self.link.send(_rows(out, num_tokens))
             self._share(step, None)
             return None
-        if not step.sampling:
+        if not step.sampling and not step.prompt_rows:
             return None
-        logits = self._logits(out, len(step.logits_indices))
+        num_rows = step.num_sampling_rows
+        logits = self._logits(out, 0, num_rows)
+        prompt = self._prompt_scores(out, step) if step.prompt_rows else None
         if tp_group().rank != 0:
             self._share(step, None)
             return None
         if step.mask_pending:  # sampled by sample_held() once the engine has the mask
-            self.held = (logits, step.sampling)
+            self.held = (logits, step.sampling, self._input_tokens(num_rows), prompt)
             return None
-        self._sample(logits, step.sampling, step.bitmask)
+        self._sample(logits, step.sampling, step.bitmask, self._input_tokens(num_rows), prompt)
         self._share(step, self.last_sampled.tokens)
         return self.last_sampled
 
     def sample_held(self, bitmask: np.ndarray) -> SampledTokens:
         """Sample the last launched step, which waited for its token bitmask."""
-        (logits, rows), self.held = self.held, None
-        return self._sample(logits, rows, bitmask)
+        (logits, rows, inputs, prompt), self.held = self.held, None
+        return self._sample(logits, rows, bitmask, inputs, prompt)
 
-    def _sample(
-        self, logits: torch.Tensor, rows: list, bitmask: np.ndarray | None
-    ) -> SampledTokens:
-        self.last_sampled = self.sampler.launch(logits, rows, bitmask)
+    def _sample(self, logits, rows, bitmask, inputs, prompt) -> SampledTokens:
+        self.last_sampled = self.sampler.launch(logits, rows, bitmask, inputs, prompt)
         return self.last_sampled
+
+    def _input_tokens(self, num_rows: int) -> Callable[[], torch.Tensor]:
+        """Each logits row's input token on the device, read when the sampler needs it."""
+        d = self.buffers.device
+        return lambda: d["input_ids"][d["logits_indices"][:num_rows]]
 
     def _share(self, step: StepInput, tokens: torch.Tensor | None) -> None:
         if self.samples is not None and step.sampling:
-            self.samples.share(len(step.logits_indices), tokens, self.device)
+            self.samples.share(step.num_sampling_rows, tokens, self.device)
 
     def _sampled_before(self) -> torch.Tensor:
         """The tokens the step before sampled: this rank's own, or the sampling rank's."""
@@ -294,8 +301,19 @@ class ModelRunner:
             return self.last_sampled.tokens
         return self.samples.latest()
 
-    def _logits(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
-        return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][:num_rows]])
+    def _logits(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][start:stop]])
+
+    def _prompt_scores(self, hidden: torch.Tensor, step: StepInput) -> PromptScores:
+        """Logprobs of the prompt positions the step scores (the logits rows after the
+        sampling ones), PROMPT_LOGITS_ROWS rows at a time: a long prefill chunk's logits
+        would otherwise take [chunk, vocab] floats at once."""
+        first, stop = step.num_sampling_rows, len(step.logits_indices)
+        chunks = (
+            self._logits(hidden, a, min(a + PROMPT_LOGITS_ROWS, stop))
+            for a in range(first, stop, PROMPT_LOGITS_ROWS)
+        )
+        return PromptScores.score(step.prompt_rows, chunks, self.device)
 
     def _intermediate(self, num_tokens: int) -> IntermediateTensors:
         return _rows(self.intermediate, num_tokens)

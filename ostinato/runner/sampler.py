@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ostinato.runner.deadline import wait_for
-from ostinato.runner.step import SamplingRow
+from ostinato.runner.logits_processors import on_device as _on
+from ostinato.runner.logits_processors import process_logits
+from ostinato.runner.step import PromptRows, SamplingRow
 from ostinato.speculative.rejection import accepted_prefix, race
 from ostinato.structured.bitmask import apply_bitmask
 
@@ -18,6 +22,51 @@ from ostinato.structured.bitmask import apply_bitmask
 class SamplerOutput:
     token_ids: list[list[int]]  # per sampling row: its accepted drafts, then one sampled token
     logprobs: list[list[dict[int, float]] | None]  # per sampling row, one entry per token
+    # per PromptRows of the step: (its request, its first scored position, one entry per
+    # position: top-N id -> logprob, and the prompt token's)
+    prompt_logprobs: list[tuple[str, int, list[dict[int, float]]]] = field(default_factory=list)
+
+
+@dataclass
+class PromptScores:
+    """The scored prompt positions of a step, on the device: top-N ids and logprobs (N the
+    largest any request asked) and each position's prompt-token logprob."""
+
+    rows: list[PromptRows]
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    chosen: torch.Tensor
+
+    @classmethod
+    def score(
+        cls, rows: list[PromptRows], chunks: Iterator[torch.Tensor], device: torch.device
+    ) -> PromptScores:
+        """chunks: the logits of the rows' targets, in order, a few rows at a time."""
+        n = max(1, max(r.num_logprobs for r in rows))
+        targets = _on(device, [t for r in rows for t in r.targets])
+        parts, done = [], 0
+        for logits in chunks:
+            logprobs = logits.float().log_softmax(dim=-1)
+            top = logprobs.topk(n, dim=-1)
+            chosen = logprobs.gather(1, targets[done : done + len(logits), None])[:, 0]
+            parts.append((top.indices, top.values, chosen))
+            done += len(logits)
+        return cls(rows, *(torch.cat(p) for p in zip(*parts, strict=True)))
+
+    def entries(self, host: list[list]) -> list[tuple[str, int, list[dict[int, float]]]]:
+        top_ids, top_vals, chosen = host
+        out, k = [], 0
+        for r in self.rows:
+            entries = []
+            for target in r.targets:
+                entry = dict(
+                    zip(top_ids[k][: r.num_logprobs], top_vals[k][: r.num_logprobs], strict=True)
+                )
+                entry[target] = chosen[k]
+                entries.append(entry)
+                k += 1
+            out.append((r.request_id, r.start, entries))
+        return out
 
 
 class SampledTokens:
@@ -30,12 +79,17 @@ class SampledTokens:
         rows: list[SamplingRow],
         tokens: torch.Tensor,
         logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        prompt: PromptScores | None = None,
         timeout: float | None = None,
     ) -> None:
-        self.rows, self.tokens, self.timeout = rows, tokens, timeout
+        self.rows, self.tokens, self.prompt, self.timeout = rows, tokens, prompt, timeout
         self._logprob_rows = logprobs[0] if logprobs is not None else []
         device_tensors = (tokens, *logprobs[1:]) if logprobs is not None else (tokens,)
         self._host = [t.to("cpu", non_blocking=True) for t in device_tensors]
+        self._prompt_host = []
+        if prompt is not None:
+            scores = (prompt.top_ids, prompt.top_logprobs, prompt.chosen)
+            self._prompt_host = [t.to("cpu", non_blocking=True) for t in scores]
         self._copied = None
         if tokens.is_cuda:
             self._copied = torch.cuda.Event()
@@ -47,7 +101,10 @@ class SampledTokens:
         tokens = self._host[0].tolist()
         picked = self._picked(tokens)
         out_tokens = [tokens[r.start : r.stop] for r in picked]  # accepted drafts are samples
-        return SamplerOutput(out_tokens, self._logprobs(tokens, picked))
+        prompt = []
+        if self.prompt is not None:
+            prompt = self.prompt.entries([t.tolist() for t in self._prompt_host])
+        return SamplerOutput(out_tokens, self._logprobs(tokens, picked), prompt)
 
     def _picked(self, tokens: list[int]) -> list[range]:
         """Per row, the logits rows whose samples it outputs: its accepted drafts, then one."""
@@ -106,30 +163,41 @@ class Sampler:
         return self.launch(logits, rows, bitmask).result()
 
     def launch(
-        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: np.ndarray | None = None
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        bitmask: np.ndarray | None = None,
+        input_tokens: Callable[[], torch.Tensor] | None = None,
+        prompt: PromptScores | None = None,
     ) -> SampledTokens:
         """Sample on the device without waiting for it. logits [sum of 1 +
         len(row.draft_token_ids), vocab]: each row's logits rows in order (see SamplingRow);
         every logits row gets a sample, and a draft stands when its row sampled it.
         bitmask: the tokens each logits row may take (structured outputs; see
         ostinato/structured/bitmask.py), applied first: logprobs are those of the masked
-        distribution, and a draft the grammar forbids is rejected."""
+        distribution, and a draft the grammar forbids is rejected.
+        input_tokens(): each logits row's input token on the device (penalties read a token
+        still in flight there). Logprobs are taken before the request's penalties, bias,
+        min_tokens and min_p change the logits."""
         logits = logits.float()
         if bitmask is not None:
             apply_bitmask(logits, _on(logits.device, torch.from_numpy(bitmask)))
         owners = [row for row in rows for _ in range(1 + len(row.draft_token_ids))]
+        processed = process_logits(logits, rows, owners, input_tokens)
         if all(row.params.greedy for row in rows):
-            tokens = logits.argmax(dim=-1)
+            tokens = processed.argmax(dim=-1)
         else:
-            tokens = self._sample(logits, owners)
+            tokens = self._sample(processed, owners)
         logprobs = self._logprobs(logits, owners, tokens)
-        return SampledTokens(rows, tokens, logprobs, self.timeout)
+        return SampledTokens(rows, tokens, logprobs, prompt, self.timeout)
 
     def _sample(self, logits: torch.Tensor, owners: list[SamplingRow]) -> torch.Tensor:
         """The sampled token of every logits row (owners[i] owns row i)."""
         device = logits.device
         temps = [1.0 if s.params.greedy else s.params.temperature for s in owners]
         scaled = logits / _on(device, temps)[:, None]
+        if any(s.params.min_p > 0 for s in owners):
+            scaled = _min_p(scaled, owners)
         if any(s.params.top_k != -1 or s.params.top_p < 1.0 for s in owners):
             scaled = _top_k_top_p(scaled, owners)
         noise = torch.empty_like(scaled).exponential_()
@@ -175,6 +243,14 @@ def _position_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     return torch.empty(vocab).exponential_(generator=generator)
 
 
+def _min_p(logits: torch.Tensor, owners: list[SamplingRow]) -> torch.Tensor:
+    """Mask (to -inf) every token less likely than min_p times the row's most likely one."""
+    log_min_p = _on(logits.device, [math.log(s.params.min_p) if s.params.min_p > 0 else -math.inf
+                                    for s in owners])  # fmt: skip
+    floor = logits.max(dim=-1, keepdim=True).values + log_min_p[:, None]
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
 def _top_k_top_p(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     device = logits.device
@@ -189,12 +265,3 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
-
-
-def _on(device: torch.device, values: list | torch.Tensor) -> torch.Tensor:
-    """values on `device` without waiting for the device: a copy from pageable host memory
-    waits for the stream to drain, which would stall async scheduling's overlap."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)

@@ -4,7 +4,7 @@ only and picklable, so pipeline and tensor-parallel workers run exactly what ran
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -26,6 +26,31 @@ class SamplingRow:
     params: SamplingParams
     position: int  # where row 0's token goes in the request's sequence (seeded draws key on it)
     draft_token_ids: tuple[int, ...] = ()
+    history: TokenHistory | None = None  # what penalties read; None when the request has none
+    banned: tuple[int, ...] = ()  # ids masked in rows j < min_tokens_left (EOS, stop ids)
+    min_tokens_left: int = 0
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a penalized request's row 0 follows: its prompt and the output tokens the
+    host knows; `pending`: one more output token is in flight, the row's input token, which
+    only the device knows yet (async scheduling). Row j also follows drafts 0..j-1."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    pending: bool
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Logits rows that score a request's prompt (prompt_logprobs): row i predicts prompt
+    token start + i, which is targets[i]."""
+
+    request_id: str
+    start: int
+    targets: tuple[int, ...]
+    num_logprobs: int
 
 
 @dataclass
@@ -34,7 +59,8 @@ class StepInput:
 
     Arrays: tokens [num_tokens], requests [num_reqs] (+1 for query_start_loc), block_table
     [num_reqs, widest request's blocks], logits_indices [rows whose logits are computed: one
-    per sampling row and draft token], lora_slots [num_reqs] (each request's adapter slot, -1
+    per sampling row and draft token, then one per prompt position scored for prompt_logprobs
+    (prompt_rows, in order)], lora_slots [num_reqs] (each request's adapter slot, -1
     for none; None when no request uses an adapter). lora_loads: adapters every rank copies
     into their slots (its own layers' share) before running the step.
 
@@ -65,6 +91,12 @@ class StepInput:
     placeholder_rows: np.ndarray | None = None
     bitmask: np.ndarray | None = None
     mask_pending: bool = False
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        """Logits rows that sample; the prompt rows follow them."""
+        return len(self.logits_indices) - sum(len(r.targets) for r in self.prompt_rows)
 
     @property
     def num_tokens(self) -> int:
@@ -134,6 +166,16 @@ def build_step(
         logits_indices = _logits_rows(row_ends, 1 + num_drafts[sampled])
     else:
         logits_indices = row_ends - 1
+    prompt_rows = [
+        _prompt_rows(s, a, b, qsl)
+        for s, a, b, qsl in zip(seqs, starts.tolist(), token_ends.tolist(),
+                                query_start_loc[:n].tolist(), strict=True)
+        if s.params.prompt_logprobs is not None and a < s.num_prompt_tokens - 1
+    ]  # fmt: skip
+    if prompt_rows:
+        scored = [token_rows for token_rows, _ in prompt_rows]
+        logits_indices = np.concatenate([logits_indices, *scored])
+    unknown = token_ends - known_ends
     return StepInput(
         mode=mode,
         desc=desc,
@@ -145,7 +187,7 @@ def build_step(
         block_table=block_table,
         logits_indices=logits_indices,
         sampling=[
-            SamplingRow(seqs[i].request_id, seqs[i].params, int(token_ends[i]), tuple(drafts[i]))
+            _sampling_row(seqs[i], int(token_ends[i]), drafts[i], bool(unknown[i]))
             for i in sampled.tolist()
         ],
         lora_slots=lora_slots,
@@ -154,7 +196,33 @@ def build_step(
                             - starts[placeholders]) if placeholders.size else None,
         placeholder_rows=_sampled_rows(previous, [seqs[i] for i in placeholders.tolist()])
         if placeholders.size else None,
+        prompt_rows=[rows for _, rows in prompt_rows],
     )  # fmt: skip
+
+
+def _sampling_row(seq, position: int, drafts: list[int], pending: bool) -> SamplingRow:
+    """The request's sampling row; what its penalties and min_tokens read only when it has
+    them (per-step host work stays flat for the others)."""
+    p = seq.params
+    row = SamplingRow(seq.request_id, p, position, tuple(drafts))
+    if not p.penalized and not p.min_tokens:
+        return row
+    history = None
+    if p.penalized:
+        output = tuple(seq.token_ids[seq.num_prompt_tokens :])
+        history = TokenHistory(seq.prompt_token_ids, output, pending)
+    left = p.min_tokens - (position - seq.num_prompt_tokens)
+    banned = tuple(sorted(seq.stop_ids)) if left > 0 else ()
+    return replace(row, history=history, banned=banned, min_tokens_left=max(left, 0))
+
+
+def _prompt_rows(seq, start: int, end: int, row: int) -> tuple[np.ndarray, PromptRows]:
+    """The token rows of seq's chunk [start, end) (position start is token row `row`) whose
+    next token is a prompt token, and what their logits score."""
+    stop = min(end, seq.num_prompt_tokens - 1)
+    targets = seq.prompt_token_ids[start + 1 : stop + 1]
+    rows = PromptRows(seq.request_id, start + 1, targets, seq.params.prompt_logprobs)
+    return np.arange(row, row + len(targets)), rows
 
 
 def _sampled_rows(previous: StepInput | None, seqs: list) -> np.ndarray:

@@ -61,10 +61,13 @@ class _Call:
     stops: list[str]
     decode: Any  # tokenizer.decode, for logprob token strings
     tools: ToolParser | None = None  # chat with tools: replies are parsed for tool calls
+    echo: list[str] | None = None  # completions' echo: each prompt's text
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: top-N per prompt token
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._started: set[int] = set()  # choices that sent their first chunk
 
     def choice(
         self,
@@ -79,16 +82,32 @@ class _Call:
         """Choice i: `text` starts at text_offset of out.text; out's tokens from `start` on
         are new. (A stream may hold back text that could begin a stop string, so the offset
         is where the client's text ends, not len(out.text) - len(text).)"""
+        first = i not in self._started
+        self._started.add(i)
+        echo = self.echo[i // self.n] if self.echo is not None else ""
         if self.chat:
             body = {"delta": {"content": text}} if delta else {"message": _message(text)}
         else:
-            body = {"text": text}
+            body = {"text": echo + text if first else text}
         if self.tools is not None and out.finished:
             calls = self._tool_calls(out.text, text_offset, delta)
             if calls is not None:
                 body, finish = calls, "tool_calls" if finish == "stop" else finish
-        logprobs = self._logprobs(out, start, text_offset)
-        return {"index": i, **body, "logprobs": logprobs, "finish_reason": finish}
+        logprobs = self._logprobs(out, start, len(echo) + text_offset)
+        if first and echo and logprobs is not None:  # the prompt's tokens come first
+            ids, lps = out.prompt_token_ids, out.prompt_logprobs
+            echoed = protocol.completion_logprobs(self.decode, ids, lps, self.num_logprobs, 0)
+            logprobs = protocol.join_logprobs(echoed, logprobs)
+        choice = {"index": i, **body, "logprobs": logprobs, "finish_reason": finish}
+        if first and self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_scores(out)
+        return choice
+
+    def prompt_scores(self, out: RequestOutput) -> list | None:
+        if self.prompt_logprobs is None:
+            return None
+        ids, lps = out.prompt_token_ids, out.prompt_logprobs
+        return protocol.prompt_logprobs(self.decode, ids, lps, self.prompt_logprobs)
 
     def _tool_calls(self, text: str, offset: int, delta: bool) -> dict | None:
         """The message (or a stream's last delta, after `offset` characters were sent) of a
@@ -131,6 +150,12 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+def _check_fields(body: protocol.GenerationRequest) -> None:
+    error = body.unsupported_field()
+    if error is not None:
+        raise error
 
 
 def _message(text: str | None) -> dict[str, str | None]:
@@ -187,15 +212,25 @@ class OpenAIServer:
             self.adapters[adapter.name] = adapter
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        _check_fields(body)
         lora = self._check_model(body.model)
         requests = []
         constraint = body.constraint()
-        for prompt in body.prompts():
+        prompts = body.prompts()
+        for prompt in prompts:
             max_tokens = self._room(prompt) if body.max_tokens is None else body.max_tokens
-            requests += self._choices(body, prompt, max_tokens, body.logprobs, constraint)
-        return await self._answer(raw, body, requests, False, body.logprobs, "prompt", lora)
+            requests += self._choices(
+                body, prompt, max_tokens, body.logprobs, body.prompt_logprobs_needed(), constraint
+            )
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        return await self._answer(
+            raw, body, requests, False, body.logprobs, "prompt", lora, echo=echo
+        )
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        _check_fields(body)
         lora = self._check_model(body.model)
         tools, constraint = body.tool_dicts(), body.constraint()
         parser = self._tool_parser() if tools else None
@@ -214,7 +249,9 @@ class OpenAIServer:
         max_tokens = next((m for m in limits if m is not None), None)
         if max_tokens is None:
             max_tokens = self._room(prompt)
-        requests = self._choices(body, prompt, max_tokens, body.num_logprobs(), constraint)
+        requests = self._choices(
+            body, prompt, max_tokens, body.num_logprobs(), body.prompt_logprobs, constraint
+        )
         num_logprobs = body.num_logprobs()
         return await self._answer(raw, body, requests, True, num_logprobs, "messages", lora, parser)
 
@@ -270,11 +307,12 @@ class OpenAIServer:
         prompt: Prompt,
         max_tokens: int,
         logprobs: int | None,
+        prompt_logprobs: int | None,
         constraint: StructuredOutputsParams | None,
     ) -> list[tuple[Prompt, SamplingParams]]:
         try:
             return [
-                (prompt, body.sampling_params(max_tokens, logprobs, j, constraint))
+                (prompt, body.sampling_params(max_tokens, logprobs, j, prompt_logprobs, constraint))
                 for j in range(body.n)
             ]
         except ValueError as e:
@@ -290,13 +328,17 @@ class OpenAIServer:
         param: str,
         lora: LoRARequest | None,
         tools: ToolParser | None = None,
+        echo: list[str] | None = None,
     ) -> Response:
         prefix = "chatcmpl" if chat else "cmpl"
         call_id = f"{prefix}-{uuid.uuid4().hex}"
         ids = [f"{call_id}-{i}" for i in range(len(requests))]
         stops = requests[0][1].stop
         decode = self.tokenizer.decode
-        call = _Call(call_id, body.model, chat, body.n, ids, num_logprobs, stops, decode, tools)
+        call = _Call(
+            call_id, body.model, chat, body.n, ids, num_logprobs, stops, decode,
+            tools=tools, echo=echo, prompt_logprobs=body.prompt_logprobs,
+        )  # fmt: skip
         stream = await self._add(requests, ids, param, lora, body.constraint_field)
         if body.stream:
             events = self._events(call, stream, body.include_usage)
@@ -307,7 +349,12 @@ class OpenAIServer:
         if failed is not None:
             raise _failure(failed)
         choices = [call.choice(i, o.text, o, 0, o.finish_reason, False) for i, o in enumerate(outs)]
-        return JSONResponse(call.envelope(choices, False, call.usage(outs)))
+        response = call.envelope(choices, False, call.usage(outs))
+        if chat and body.prompt_logprobs is not None:  # vLLM puts chat's beside the choices
+            response["prompt_logprobs"] = choices[0].pop("prompt_logprobs")
+            for choice in choices[1:]:
+                del choice["prompt_logprobs"]
+        return JSONResponse(response)
 
     async def _add(
         self,

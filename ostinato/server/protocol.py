@@ -4,22 +4,36 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 
-# Request fields a SamplingParams error can name; its messages begin with the field's name.
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "max_tokens",
-    "logprobs",
-    "stop",
-    "structured_outputs",
-)
+# Request fields a SamplingParams or engine error can name; its messages begin with the field's
+# name (longest first: "stop_token_ids ..." names stop_token_ids, not stop).
+SAMPLING_FIELDS = tuple(
+    sorted(
+        ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "logprobs",
+         "prompt_logprobs", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+         "repetition_penalty", "logit_bias", "structured_outputs"),
+        key=len,
+        reverse=True,
+    )
+)  # fmt: skip
+
+# Fields OpenAI's API accepts without changing what it generates, ignored here as there (value
+# -> whether ignoring it is true to what the client asked). Every other field a request model
+# does not declare is a 400 naming it (see unsupported_field).
+IGNORED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "user": lambda _: True,  # an end-user id for abuse monitoring
+    "safety_identifier": lambda _: True,  # the same, its newer name
+    "prompt_cache_key": lambda _: True,  # a routing hint for OpenAI's prompt cache
+    "service_tier": lambda _: True,  # OpenAI's processing tier
+    "metadata": lambda _: True,  # tags for stored completions
+    "store": lambda v: not v,  # nothing is stored here: store=true is refused
+}
 
 
 class APIError(Exception):
@@ -97,19 +111,34 @@ class StructuredOutputs(Strict):
 
 
 class GenerationRequest(BaseModel):
+    """The fields chat and completions share. Undeclared fields are kept (extra="allow") so
+    that unsupported_field can name them in a 400; none is ever silently dropped, except the
+    IGNORED_FIELDS OpenAI ignores too."""
+
+    model_config = ConfigDict(extra="allow")
+
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # extension
     n: int = Field(1, ge=1, le=128)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension: generate exactly max_tokens tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id (a string in JSON) -> bias
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
+    # vLLM's extensions (extra_body with the openai client)
+    structured_outputs: StructuredOutputs | None = None
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # generate exactly max_tokens tokens
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
     @property
     def include_usage(self) -> bool:
@@ -143,11 +172,24 @@ class GenerationRequest(BaseModel):
             return "structured_outputs"
         return "response_format.json_schema.schema" if self.response_format else "tools"
 
+    def unsupported_field(self) -> APIError | None:
+        """A 400 naming the first field this server does not know (IGNORED_FIELDS aside)."""
+        for name, value in (self.model_extra or {}).items():
+            ignored = IGNORED_FIELDS.get(name)
+            if ignored is None or not ignored(value):
+                message = (
+                    f"{name}: this server does not support the field {name!r} (with this "
+                    "value); remove it (see the README's list of supported fields)"
+                )
+                return APIError(400, message, name)
+        return None
+
     def sampling_params(
         self,
         max_tokens: int,
         logprobs: int | None,
         choice: int,
+        prompt_logprobs: int | None = None,
         constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """Parameters of the choice-th of n samples; raises ValueError naming a bad field."""
@@ -155,12 +197,20 @@ class GenerationRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             # Each choice needs its own seed, or n seeded samples would all be the same.
             seed=None if self.seed is None else self.seed + choice,
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             structured_outputs=constraint,
         )
 
@@ -169,6 +219,24 @@ class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt before the completion (with logprobs: its tokens' too)
+    best_of: int | None = None  # only best_of == n (nothing to choose from) is supported
+
+    def unsupported_field(self) -> APIError | None:
+        if self.best_of is not None and self.best_of != self.n:
+            message = (
+                f"best_of: only best_of equal to n ({self.n}) is supported, got {self.best_of}; "
+                "leave it out and ask for n completions"
+            )
+            return APIError(400, message, "best_of")
+        return super().unsupported_field()
+
+    def prompt_logprobs_needed(self) -> int | None:
+        """Prompt logprobs the engine computes: for prompt_logprobs, and for echo's logprobs."""
+        asked = [
+            n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None
+        ]
+        return max(asked, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a text, a token list, or a list of either."""
@@ -283,17 +351,47 @@ def _top(logprobs: dict[int, float], n: int) -> list[tuple[int, float]]:
 
 
 def completion_logprobs(
-    decode, token_ids: list[int], logprobs: list[dict[int, float]], n: int, offset: int
+    decode,
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, float] | None],
+    n: int,
+    offset: int,
 ) -> dict[str, list]:
-    """The completions `logprobs` object; offsets count characters from `offset`."""
+    """The completions `logprobs` object; offsets count characters from `offset`. An entry
+    of None (the first prompt token's, with echo) gives null logprobs."""
     tokens = [decode([t]) for t in token_ids]
     offsets = [offset + sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=True)],
-        "top_logprobs": [{decode([i]): v for i, v in _top(lp, n)} for lp in logprobs],
+        "token_logprobs": [
+            None if lp is None else lp.get(t) for t, lp in zip(token_ids, logprobs, strict=True)
+        ],
+        "top_logprobs": [
+            None if lp is None else {decode([i]): v for i, v in _top(lp, n)} for lp in logprobs
+        ],
         "text_offset": offsets,
     }
+
+
+def join_logprobs(first: dict[str, list], then: dict[str, list]) -> dict[str, list]:
+    return {key: first[key] + then[key] for key in first}
+
+
+def prompt_logprobs(
+    decode, token_ids: Sequence[int], logprobs: Sequence[dict[int, float] | None], n: int
+) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else its top-n and its
+    own, keyed by token id: {"logprob", "decoded_token"}."""
+    out: list[dict[str, dict] | None] = []
+    for token, lp in zip(token_ids, logprobs, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        picked = dict(_top(lp, n)) | {token: lp[token]}
+        out.append(
+            {str(i): {"logprob": v, "decoded_token": decode([i])} for i, v in picked.items()}
+        )
+    return out
 
 
 def chat_logprobs(
