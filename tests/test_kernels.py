@@ -405,3 +405,27 @@ def test_gemv_matches_linear(rows, silu, bias, dtype):
 def test_gemv_is_for_single_rows_on_cuda_only():
     w = torch.randn(32, 64)
     assert not gemv_pays(torch.randn(1, 64), w)  # CPU tensors keep F.linear
+
+
+def test_cached_launches_follow_each_calls_token_count():
+    """Norms, activation and RoPE keep one cached launch per shape of a row, whatever the
+    token count: calls of more, then fewer, then more rows than the first one all cover their
+    rows (and no more), against float64 math."""
+    dtype = torch.float32
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    for rows in (5, 2, 9):
+        x = torch.randn(rows, 96)
+        close(rms_norm(x, weight, 1e-6), rms_norm_64(x, weight, 1e-6), dtype)
+        x, residual = torch.randn(rows, 96), torch.randn(rows, 96)
+        total = x.double() + residual.double()
+        fused_add_rms_norm(x, residual, weight, 1e-6)
+        close(x, rms_norm_64(total, weight, 1e-6), dtype)
+        gate_up = torch.randn(rows, 2 * 40).double()
+        gate, up = gate_up.chunk(2, dim=-1)
+        close(silu_and_mul(gate_up.float()), gate * torch.sigmoid(gate) * up, dtype)
+        case = RopeCase(rows, 4, 2, 64, dtype)
+        q_in = rms_norm_64(case.q.clone(), case.weights[0], 1e-6).to(dtype)
+        case.run(rope_and_store, True)
+        close(case.q, rotary_64(q_in, case.positions, case.cache), dtype)
+        v_rows = case.caches[1].flatten(0, 1)
+        assert (~v_rows.isnan()).flatten(1).all(1).sum() == (case.slots >= 0).sum()

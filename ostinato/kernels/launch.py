@@ -54,8 +54,13 @@ class Launch:
         self.key = _fixed_keys.setdefault(fixed, len(_fixed_keys))  # a small int hashes fast
 
     def __call__(self, *head: torch.Tensor) -> None:
+        self.run(self.grid, *head)
+
+    def run(self, grid: tuple[int, int, int], *head: torch.Tensor) -> None:
+        """One launch on another grid: kernels whose program count follows the token count
+        keep one Launch for every step size (the grid is no part of what Triton compiles)."""
         if not self.direct:
-            self.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            self.kernel[grid](*head, *self.tail, **self.kwargs)
             return
         pointers = [t.data_ptr() for t in head]
         device = head[0].get_device()
@@ -66,13 +71,13 @@ class Launch:
         )
         compiled = _compiled.get(key)
         if compiled is None:
-            kernel = self.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            kernel = self.kernel[grid](*head, *self.tail, **self.kwargs)
             _compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
             return
         launcher, function, metadata = compiled
         # no launch metadata and no enter/exit hooks: a profiler's hooks see first calls only
         launcher(
-            *self.grid, _current_stream(device), function, metadata, None, None, None,
+            *grid, _current_stream(device), function, metadata, None, None, None,
             *pointers, *self.rest,
         )  # fmt: skip
 
