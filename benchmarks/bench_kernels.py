@@ -252,7 +252,7 @@ def prefill_sweep_rows(pool: KVPool, matmul: float) -> list[list[str]]:
         Config(32, 128, 64, 1, 4, 3), Config(32, 128, 128, 1, 8, 3),
         Config(32, 128, 128, 1, 8, 2), Config(32, 128, 32, 1, 4, 3), Config(16, 64, 64, 1, 4, 3),
         Config(16, 64, 64, 1, 4, 2), Config(16, 64, 128, 1, 4, 3), Config(64, 256, 64, 1, 8, 3),
-        Config(64, 256, 32, 1, 8, 2),
+        Config(64, 256, 32, 1, 8, 2), Config(32, 128, 64, 1, 8, 1), Config(16, 64, 64, 1, 4, 1),
     ]  # fmt: skip
     rows = []
     for batch, length in ((8, 512), (1, 4096)):
