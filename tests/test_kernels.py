@@ -298,6 +298,18 @@ def test_launch_keys_separate_what_triton_specialises_on():
     assert spec(x) != spec(x.view(torch.int32))
 
 
+def test_per_call_tensors_key_on_dtype_and_alignment():
+    from ostinato.kernels.launch import _head_key
+
+    def key(*head):
+        return _head_key(head, [t.data_ptr() for t in head])
+
+    x = torch.zeros(64, dtype=torch.float32)
+    assert key(x, x[4:]) == key(x[8:], x) != key(x, x[1:])  # x[1:] is 4 bytes in
+    assert key(x, x[1:]) != key(x[1:], x)  # which pointer is misaligned matters
+    assert key(x, x) != key(x, x.view(torch.int32)) != key(x.view(torch.int32), x)
+
+
 # ---- rope + KV store ---------------------------------------------------------------------
 
 

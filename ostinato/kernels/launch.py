@@ -12,6 +12,9 @@ ones cannot compile.
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
+
 import torch
 
 from ostinato.kernels.dispatch import Kernel, interpreting
@@ -64,11 +67,7 @@ class Launch:
             return
         pointers = [t.data_ptr() for t in head]
         device = head[0].get_device()
-        key = (
-            self.key,
-            device,
-            *[(t.dtype, p % 16 == 0) for t, p in zip(head, pointers, strict=True)],
-        )
+        key = (self.key, device, *_head_key(head, pointers))
         compiled = _compiled.get(key)
         if compiled is None:
             kernel = self.kernel[grid](*head, *self.tail, **self.kwargs)
@@ -80,6 +79,13 @@ class Launch:
             *grid, _current_stream(device), function, metadata, None, None, None,
             *pointers, *self.rest,
         )  # fmt: skip
+
+
+def _head_key(head: tuple[torch.Tensor, ...], pointers: list[int]) -> tuple:
+    """What Triton specialises on in the per-call tensors: dtypes and 16-byte alignment (True
+    when every pointer is aligned, found by one C-level OR; else each pointer's)."""
+    aligned = not reduce(or_, pointers) & 15 or tuple([p % 16 == 0 for p in pointers])
+    return aligned, *[t.dtype for t in head]
 
 
 def _address(arg):
