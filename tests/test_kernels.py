@@ -243,6 +243,17 @@ def test_paged_attention_head_dims(head_dim):
     check_attention(batch, out, scale, torch.float32)
 
 
+def test_paged_attention_half_precision_prefill_config():
+    """Half-precision prompts (a fresh one and a chunk after context) take the tuned prefill tiles:
+    64 rows, 64 KV positions per step."""
+    batch = make_batch([70, 40], [70, 90], 8, 2, 128, torch.float16)
+    table = torch.empty(2, 6, dtype=torch.int32)
+    config = choose_config(batch.q, torch.empty(1, 16, 2, 128, dtype=torch.float16), table, 2)
+    assert (config.block_q, config.block_m, config.block_n) == (16, 64, 64)
+    out, scale = run_attention(batch)
+    check_attention(batch, out, scale, torch.float16)
+
+
 def test_paged_attention_half_precision_decode():
     batch = make_batch([1, 1, 1, 0], [16, 49, 5, 0], 8, 2, 64, torch.float16, pad_tokens=1)
     out, scale = run_attention(batch)
