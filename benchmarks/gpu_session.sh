@@ -86,7 +86,7 @@ prefill)  # issue 17, about 200 s on an H100: everything on random:qwen3-0.6b un
   model=${2:-random:qwen3-0.6b}
   info | tee "$OUT/env.txt"
   timeout 150 python3 -m pytest tests/gpu/test_prefill_graphs.py --maxfail=4 -q -p no:cacheprovider \
-    -o addopts="" -rs 2>&1 | tail -n 30 | tee "$OUT/prefill-tests.log"
+    -o addopts="" -rs 2>&1 | tee "$OUT/prefill-tests.log" | tail -n 30
   timeout 120 python3 -m ostinato.cli bench prefill --model "$model" --json --iters 3 \
     --no-prefix-caching --cuda-graph-mode none,full_and_piecewise 2>>"$OUT/prefill.err" \
     | tee -a "$OUT/prefill.jsonl"
