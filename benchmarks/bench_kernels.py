@@ -243,6 +243,26 @@ def sweep_rows(pool: KVPool) -> list[list[str]]:
     return rows
 
 
+def prefill_sweep_rows(pool: KVPool, matmul: float) -> list[list[str]]:
+    """Prefill launch configurations (Llama-3.1-8B shape, GQA group 4): tile rows, KV tile,
+    warps and pipeline stages, fastest first, each as a fraction of the matmul rate."""
+    Config = attention.Config
+    variants = [
+        Config(32, 128, 64, 1, 8, 5), Config(32, 128, 64, 1, 8, 3), Config(32, 128, 64, 1, 8, 2),
+        Config(32, 128, 64, 1, 4, 3), Config(32, 128, 128, 1, 8, 3),
+        Config(32, 128, 128, 1, 8, 2), Config(32, 128, 32, 1, 4, 3), Config(16, 64, 64, 1, 4, 3),
+        Config(16, 64, 64, 1, 4, 2), Config(16, 64, 128, 1, 4, 3), Config(64, 256, 64, 1, 8, 3),
+        Config(64, 256, 32, 1, 8, 2), Config(32, 128, 64, 1, 8, 1), Config(16, 64, 64, 1, 4, 1),
+    ]  # fmt: skip
+    rows = []
+    for batch, length in ((8, 512), (1, 4096)):
+        q_lens = [length] * batch
+        flops = prefill_flops(q_lens)
+        timed = _time_variants(pool, f"prefill {batch} x {length}", q_lens, q_lens, variants)
+        rows += [[*row, f"{flops / (float(row[2]) / 1e6) / matmul:.2f}"] for row in timed]
+    return rows
+
+
 def _config_for(q_lens, seq_lens, pool):
     q = torch.empty(sum(q_lens), HEADS, HEAD_DIM, device="cuda")
     table = torch.empty(len(seq_lens), -(-max(seq_lens) // BLOCK), device="cuda")
@@ -332,13 +352,15 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="decode,prefill,fused,gemv",
-        help="comma-separated: decode, prefill, fused, gemv, sweep (launch configurations)",
+        help="comma-separated: decode, prefill, fused, gemv, sweep (launch configurations), "
+        "prefill-sweep (prefill launch configurations)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
     torch.manual_seed(0)
     copy_bw, matmul = copy_bandwidth(), matmul_flops()
-    pool = KVPool(blocks=128 * 8192 // BLOCK) if chosen & {"decode", "prefill", "sweep"} else None
+    attention_sections = {"decode", "prefill", "sweep", "prefill-sweep"}
+    pool = KVPool(blocks=128 * 8192 // BLOCK) if chosen & attention_sections else None
     sections = [
         f"# Kernel benchmarks: {torch.cuda.get_device_name()}\n\n"
         f"commit {commit()}, {datetime.date.today()}, torch {torch.__version__}, "
@@ -404,6 +426,11 @@ def main() -> None:
         sections.append(
             "## Attention launch configurations (µs, fastest first)\n\n"
             + table(["case", "config", "µs"], sweep_rows(pool))
+        )
+    if "prefill-sweep" in chosen:
+        sections.append(
+            "## Prefill attention launch configurations (fastest first)\n\n"
+            + table(["case", "config", "µs", "of matmul"], prefill_sweep_rows(pool, matmul))
         )
     report = "\n\n".join(sections) + "\n"
     print(report)

@@ -13,6 +13,8 @@
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
 #   bash benchmarks/gpu_session.sh structured M  # structured-output tests, decode constrained vs not
+#   bash benchmarks/gpu_session.sh prefill  # prefill graphs: GPU tests, bench prefill, start-up,
+#                                           # eager decode, prefill attention kernel sweep
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -90,6 +92,24 @@ parallel-bench)  # MODEL: decode latency at batch 1 and 32 per mode, throughput 
       --output-len 128 --max-model-len 2048 $shape 2>>"$OUT/bench.err" | tee -a "$OUT/parallel-throughput.jsonl"
   done
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
+  ;;
+prefill)  # issue 17, about 200 s on an H100: everything on random:qwen3-0.6b unless MODEL is set
+  model=${2:-random:qwen3-0.6b}
+  info | tee "$OUT/env.txt"
+  timeout 150 python3 -m pytest tests/gpu/test_prefill_graphs.py --maxfail=4 -q -p no:cacheprovider \
+    -o addopts="" -rs 2>&1 | tee "$OUT/prefill-tests.log" | tail -n 30
+  timeout 120 python3 -m ostinato.cli bench prefill --model "$model" --json --iters 3 \
+    --no-prefix-caching --cuda-graph-mode none,full_and_piecewise 2>>"$OUT/prefill.err" \
+    | tee -a "$OUT/prefill.jsonl"
+  timeout 60 python3 -m ostinato.cli bench startup --model "$model" --json --max-model-len 2048 \
+    --input-len 512 2>>"$OUT/prefill.err" | tee -a "$OUT/startup.jsonl"
+  # mode none decode at batch 1: the host time of an eager step
+  timeout 60 python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1 \
+    --input-len 128 --output-len 32 --iters 1 --max-model-len 2048 --cuda-graph-mode none \
+    2>>"$OUT/prefill.err" | tee -a "$OUT/eager-latency.jsonl"
+  timeout 150 python3 benchmarks/bench_kernels.py --sections prefill,prefill-sweep \
+    --out "$OUT/prefill-kernels.md" 2>&1 | tail -n 40
+  grep -v "it/s\]" "$OUT/prefill.err" | grep -iE "error|warn|traceback" | tail -n 15
   ;;
 capture)
   model=${2:?model}

@@ -1,4 +1,4 @@
-"""ostinato bench {latency,throughput,startup,serve}: time the engine against the memory floor
+"""ostinato bench {latency,throughput,startup,prefill,serve}: time the engine against its floors
 (serve, an online benchmark against a server, lives in bench_serve.py)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import itertools
 import json
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 from ostinato.config import EngineConfig
 from ostinato.engine.engine import LLMEngine
 from ostinato.engine_args import add_engine_args, async_scheduling, engine_config
+from ostinato.loader import load_hf_config
 from ostinato.lora.adapter import BaseShapes, write_random_adapter
 from ostinato.lora.request import LoRARequest
 from ostinato.models.llama import head_dim
@@ -36,6 +38,7 @@ def add_bench_parser(sub) -> None:
             "startup",
             "load and capture seconds, graph count and memory, time to the first token",
         ),
+        ("prefill", "time to first token of one prompt per length, against the compute floor"),
     ):
         p = kinds.add_parser(name, help=help_text)
         p.add_argument("--json", action="store_true", help="print one JSON object per result")
@@ -56,9 +59,16 @@ def add_bench_parser(sub) -> None:
             default=output_len,
             help=f"output tokens (default {output_len})",
         )
-    kinds.choices["latency"].add_argument(
-        "--iters", type=int, default=3, help="timed runs; the median is reported (default 3)"
+    kinds.choices["prefill"].add_argument(
+        "--input-len",
+        type=_int_list,
+        default=[512, 2048, 8192],
+        help="comma-separated prompt lengths, one prompt each (default 512,2048,8192)",
     )
+    for name in ("latency", "prefill"):
+        kinds.choices[name].add_argument(
+            "--iters", type=int, default=3, help="timed runs; the median is reported (default 3)"
+        )
     kinds.choices["latency"].add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
@@ -124,6 +134,8 @@ def run_bench(args: argparse.Namespace) -> int:
     # --cuda-graph-mode, --cuda-graph-capture and --async-scheduling may list several values:
     # every combination runs, one after another in this process.
     bandwidth = copy_bandwidth() if args.device != "cpu" and torch.cuda.is_available() else None
+    if args.bench == "prefill":
+        args.max_model_len = _prefill_model_len(args)
     most_loras = max(getattr(args, "num_loras", [0]))
     for mode, capture, overlap in itertools.product(
         args.cuda_graph_mode.split(","),
@@ -392,6 +404,7 @@ def bench_startup(engine: LLMEngine, build_s: float, args, bandwidth: float | No
             "capture_s": capture_s,
             "num_graphs": num_graphs,
             "graph_memory_gib": report["graph_memory_bytes"] / 2**30,
+            "graph_memory_budget_gib": report.get("graph_memory_budget_bytes", 0) / 2**30,
             "warmups": report["warmups"],
             "kv_blocks": engine.runner.num_blocks,
             "ttft_after_start_s": ttft,
@@ -419,16 +432,107 @@ def _first_request(engine: LLMEngine, prompt: list[int], args) -> tuple[float, f
     return first, time.perf_counter() - start
 
 
-BENCHES = {"latency": bench_latency, "throughput": bench_throughput, "startup": bench_startup}
+def bench_prefill(engine: LLMEngine, build_s: float, args, bandwidth: float | None) -> list[dict]:
+    """Per prompt length: the median time to the first token of one fresh prompt (prefill,
+    chunked when longer than max_num_batched_tokens, then one sampled token) after an untimed
+    run of the same length, and its ratio to the compute floor: 2 x parameters x tokens at the
+    matmul rate measured here (CUDA only; on a CPU the floor fields are null)."""
+    rate = matmul_rate(engine.config.torch_dtype) if engine.config.is_cuda else None
+    params = num_parameters(engine)
+    results = []
+    for i, length in enumerate(args.input_len):
+        seeds = [10_000 * (i + 1) + run for run in range(args.iters + 1)]
+        steps_before = engine.graph_report()["steps"]
+        ttfts = [_first_token_s(engine, _prompts(engine, 1, length, seed)[0]) for seed in seeds]
+        steps_after = engine.graph_report()["steps"]
+        ttft = statistics.median(ttfts[1:])
+        floor = 2 * params * length / rate if rate else None
+        results.append(
+            {
+                "mode": engine.graph_report()["cuda_graph_mode"],
+                "requested_mode": engine.config.cuda_graph_mode,
+                "input_len": length,
+                "ttft_ms": ttft * 1e3,
+                "prefill_tokens_per_s": length / ttft,
+                "parameters": params,
+                "matmul_tflops": rate / 1e12 if rate else None,
+                "floor_ms": floor * 1e3 if floor else None,
+                "ratio_to_floor": ttft / floor if floor else None,
+                # steps per runtime mode over the warm-up and timed runs of this length
+                "steps": {m: steps_after[m] - steps_before[m] for m in steps_after},
+            }
+        )
+    return results
+
+
+def _prefill_model_len(args) -> int:
+    """max_model_len for bench prefill: room for the longest prompt and its token."""
+    need = max(args.input_len) + 1
+    if args.max_model_len is not None:
+        if need > args.max_model_len:
+            raise ValueError(
+                f"--input-len {need - 1} does not fit --max-model-len {args.max_model_len}: "
+                "raise --max-model-len or give shorter prompt lengths"
+            )
+        return args.max_model_len
+    limit = getattr(load_hf_config(args.model), "max_position_embeddings", None)
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"--input-len {need - 1} does not fit {args.model}'s context of {limit} tokens: "
+            "give shorter prompt lengths (e.g. --input-len 512,2048)"
+        )
+    return need
+
+
+def _first_token_s(engine: LLMEngine, prompt: list[int]) -> float:
+    _sync(engine)
+    start = time.perf_counter()
+    engine.add_request(prompt, _greedy(1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync(engine)
+    return time.perf_counter() - start
+
+
+def num_parameters(engine: LLMEngine) -> int:
+    """Parameters of the whole model (every stage and tensor slice), embedding included."""
+    c = engine.hf_config
+    with torch.device("meta"):  # shapes only
+        model = get_model_class(c)(c)
+    return sum(p.numel() for p in model.parameters())
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
+    """FLOP/s of an n x n x n matmul in dtype on the current GPU (median of 10)."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times)
+
+
+BENCHES = {
+    "latency": bench_latency,
+    "throughput": bench_throughput,
+    "startup": bench_startup,
+    "prefill": bench_prefill,
+}
 
 
 def decode_floor_bytes(engine: LLMEngine, batch: int, context: int) -> int:
     """Bytes one decode step must read: every weight once, plus the KV of every request,
     over the whole model (every pipeline stage and tensor slice together)."""
     c, itemsize = engine.hf_config, engine.config.torch_dtype.itemsize
-    with torch.device("meta"):  # shapes only
-        model = get_model_class(c)(c)
-    weights = sum(p.numel() for p in model.parameters()) * itemsize
+    weights = num_parameters(engine) * itemsize
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim(c) * itemsize
     return weights + batch * context * kv_per_token
 

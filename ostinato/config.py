@@ -51,7 +51,7 @@ class EngineConfig:
     cuda_graph_mode: str = "full_and_piecewise"
     cuda_graph_capture: str = "eager"  # eager: every graph at start-up; lazy: each on first use
     enforce_eager: bool = False
-    max_capture_size: int = 512
+    max_capture_size: int | None = None  # largest token graph; None: max_num_batched_tokens
     capture_sizes: list[int] | None = None
     check_graphs: int = 0
     debug_graph_addresses: bool = False
@@ -102,7 +102,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.max_capture_size < 1:
+        if self.max_capture_size is not None and self.max_capture_size < 1:
             raise ValueError(f"max_capture_size must be at least 1, got {self.max_capture_size}")
         if self.capture_sizes is not None and any(s < 1 for s in self.capture_sizes):
             raise ValueError(f"capture_sizes must be positive, got {self.capture_sizes}")

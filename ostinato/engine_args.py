@@ -23,7 +23,7 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--attention-backend", str, "'auto' (triton on CUDA, torch on CPU), 'triton' or 'torch'"),
     ("--cuda-graph-mode", str, f"one of {CUDA_GRAPH_MODES}"),
     ("--cuda-graph-capture", str, f"one of {CUDA_GRAPH_CAPTURES}: at start-up, or on first use"),
-    ("--max-capture-size", int, "largest PIECEWISE graph, in tokens"),
+    ("--max-capture-size", int, "largest token-keyed graph; None: max-num-batched-tokens"),
     ("--check-graphs", int, "re-run every N-th graphed step eagerly and compare (0: off)"),
     ("--pipeline-parallel-size", int, "pipeline stages, one process (GPU) each"),
     ("--tensor-parallel-size", int, "processes (GPUs) splitting each stage's layers"),

@@ -91,3 +91,31 @@ def test_latency_constrained_by_a_json_schema(capsys):
     assert constrained["structured_output"] == "json" and constrained["mask_ms_per_step"] > 0
     with pytest.raises(SystemExit):
         main([*argv, "--structured-output", "yaml"])
+
+
+def test_bench_prefill_one_fresh_prompt_per_length(capsys):
+    """One line per prompt length and mode; a prompt longer than the step budget is chunked
+    (3 steps of at most 16 tokens for 40), each run is a fresh prompt (no prefix-cache hit:
+    a hit would leave fewer steps), and on a CPU the compute floor is null."""
+    argv = ["bench", "prefill", "--device", "cpu", "--json", "--input-len", "8,40", "--iters"]
+    argv += ["2", "--max-num-batched-tokens", "16", "--cuda-graph-mode", "none,piecewise"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["requested_mode"], r["input_len"]) for r in lines] == [
+        ("none", 8), ("none", 40), ("piecewise", 8), ("piecewise", 40)
+    ]  # fmt: skip
+    for r in lines:
+        assert r["bench"] == "prefill" and r["ttft_ms"] > 0
+        assert r["prefill_tokens_per_s"] == pytest.approx(r["input_len"] / r["ttft_ms"] * 1e3)
+        assert r["floor_ms"] is r["ratio_to_floor"] is r["matmul_tflops"] is None
+        assert r["parameters"] > 10**6  # tiny: about a million
+        steps_per_run = -(-r["input_len"] // 16)
+        assert r["steps"] == {"none": 3 * steps_per_run, "piecewise": 0, "full": 0}
+
+
+def test_bench_prefill_refuses_prompts_that_do_not_fit(capsys):
+    assert main(["bench", "prefill", "--device", "cpu"]) == 2  # 8192 > tiny's 4096 positions
+    assert "give shorter prompt lengths" in capsys.readouterr().err
+    argv = ["bench", "prefill", "--device", "cpu", "--input-len", "64", "--max-model-len", "64"]
+    assert main(argv) == 2
+    assert "raise --max-model-len" in capsys.readouterr().err

@@ -127,7 +127,7 @@ def test_uniform_decode_backend_keeps_full_for_decode_only(decode_only_backend, 
 
 NO_TOKEN_SIZES = {"capture_sizes": [8], "max_capture_size": 4, "max_num_seqs": 16}
 NO_DECODE_SIZES = {"capture_sizes": [300], "max_capture_size": 512, "max_num_seqs": 256}
-NO_SIZES = {"capture_sizes": [1024]}
+NO_SIZES = {"capture_sizes": [9000]}
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,7 @@ def test_every_rule_fires_somewhere(decode_only_backend, single_token_backend):
     configs = [config(m, b, d, bool(e)) for m, b, d, e in MATRIX]
     configs += [config("full", decode_only_backend), config("full_and_piecewise", **NO_SIZES)]
     configs += [config("full_and_piecewise", single_token_backend, **SPEC)]
-    configs += [config("piecewise", enable_lora=True)]
+    configs += [config("piecewise", enable_lora=True), config("piecewise", max_capture_size=64)]
     fired = {d.rule for c in configs for d in resolve(c).decisions}
     assert fired == {rule.name for rule in RULES}
 
@@ -165,8 +165,14 @@ def test_rules_are_logged_once_at_start_up(caplog):
     with caplog.at_level(logging.INFO, logger="ostinato"):
         runner = GraphRunner(config("full_and_piecewise", "torch"))
     logged = [r.getMessage() for r in caplog.records if "rule" in r.getMessage()]
-    assert len(logged) == len(runner.resolution.decisions) == 2
+    assert len(logged) == len(runner.resolution.decisions) == 1
     assert "backend_not_capturable" in logged[0]
+
+
+def test_no_eager_note_when_token_graphs_reach_the_step_budget():
+    assert resolve(config("full_and_piecewise")).decisions == ()
+    capped = resolve(config("piecewise", max_capture_size=8191))
+    assert [d.rule for d in capped.decisions] == ["eager_above_capture_size"]
 
 
 def test_cpu_runner_runs_eagerly_and_reports_why():

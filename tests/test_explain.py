@@ -32,7 +32,9 @@ def test_cuda_config_on_a_machine_without_a_gpu(no_cuda_calls):
     assert out["cuda_graph_mode"] == out["requested_mode"] == "full_and_piecewise"
     assert out["cuda_graph_capture"] == "eager"
     assert out["capture_sizes"]["full"][-1] == 256
-    assert out["capture_sizes"]["piecewise"][-1] == 512
+    # both lists: FULL decode graphs to max_num_seqs, token graphs to max_num_batched_tokens
+    assert out["capture_sizes"]["piecewise"][-1] == 8192
+    assert out["capture_sizes"]["piecewise"][-18:-16] == [480, 512]
     assert out["config"]["device"] == "cuda"
     assert out["config"]["attention_backend"] == "triton"
 
@@ -81,7 +83,7 @@ def test_speculation_captures_verify_graphs_up_to_max_num_seqs_times_q(no_cuda_c
         device="cuda", max_num_seqs=64, speculative_method="ngram", num_speculative_tokens=4
     )
     sizes = explain(cfg)["capture_sizes"]
-    assert sizes["full"][-1] == 64 and sizes["piecewise"][-1] == 512
+    assert sizes["full"][-1] == 64 and sizes["piecewise"][-1] == 8192
     # FULL graphs of one-token decodes and of 1 + 4 token verify steps
     assert max(sizes["full_tokens"]) == 64 * 5
     assert {1, 2, 64, 5, 10, 320} <= set(sizes["full_tokens"])

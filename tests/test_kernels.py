@@ -243,6 +243,17 @@ def test_paged_attention_head_dims(head_dim):
     check_attention(batch, out, scale, torch.float32)
 
 
+def test_paged_attention_half_precision_prefill_config():
+    """Half-precision prompts (a fresh one and a chunk after context) take the tuned prefill tiles:
+    64 rows, 64 KV positions per step."""
+    batch = make_batch([70, 40], [70, 90], 8, 2, 128, torch.float16)
+    table = torch.empty(2, 6, dtype=torch.int32)
+    config = choose_config(batch.q, torch.empty(1, 16, 2, 128, dtype=torch.float16), table, 2)
+    assert (config.block_q, config.block_m, config.block_n) == (16, 64, 64)
+    out, scale = run_attention(batch)
+    check_attention(batch, out, scale, torch.float16)
+
+
 def test_paged_attention_half_precision_decode():
     batch = make_batch([1, 1, 1, 0], [16, 49, 5, 0], 8, 2, 64, torch.float16, pad_tokens=1)
     out, scale = run_attention(batch)
@@ -296,6 +307,18 @@ def test_launch_keys_separate_what_triton_specialises_on():
     x = torch.zeros(64, dtype=torch.float32)
     assert spec(x) == spec(x[4:]) != spec(x[1:])  # 16 bytes in: aligned; 4 bytes: not
     assert spec(x) != spec(x.view(torch.int32))
+
+
+def test_per_call_tensors_key_on_dtype_and_alignment():
+    from ostinato.kernels.launch import _head_key
+
+    def key(*head):
+        return _head_key(head, [t.data_ptr() for t in head])
+
+    x = torch.zeros(64, dtype=torch.float32)
+    assert key(x, x[4:]) == key(x[8:], x) != key(x, x[1:])  # x[1:] is 4 bytes in
+    assert key(x, x[1:]) != key(x[1:], x)  # which pointer is misaligned matters
+    assert key(x, x) != key(x, x.view(torch.int32)) != key(x.view(torch.int32), x)
 
 
 # ---- rope + KV store ---------------------------------------------------------------------
@@ -405,3 +428,27 @@ def test_gemv_matches_linear(rows, silu, bias, dtype):
 def test_gemv_is_for_single_rows_on_cuda_only():
     w = torch.randn(32, 64)
     assert not gemv_pays(torch.randn(1, 64), w)  # CPU tensors keep F.linear
+
+
+def test_cached_launches_follow_each_calls_token_count():
+    """Norms, activation and RoPE keep one cached launch per shape of a row, whatever the
+    token count: calls of more, then fewer, then more rows than the first one all cover their
+    rows (and no more), against float64 math."""
+    dtype = torch.float32
+    weight = (torch.rand(96) + 0.5).to(dtype)
+    for rows in (5, 2, 9):
+        x = torch.randn(rows, 96)
+        close(rms_norm(x, weight, 1e-6), rms_norm_64(x, weight, 1e-6), dtype)
+        x, residual = torch.randn(rows, 96), torch.randn(rows, 96)
+        total = x.double() + residual.double()
+        fused_add_rms_norm(x, residual, weight, 1e-6)
+        close(x, rms_norm_64(total, weight, 1e-6), dtype)
+        gate_up = torch.randn(rows, 2 * 40).double()
+        gate, up = gate_up.chunk(2, dim=-1)
+        close(silu_and_mul(gate_up.float()), gate * torch.sigmoid(gate) * up, dtype)
+        case = RopeCase(rows, 4, 2, 64, dtype)
+        q_in = rms_norm_64(case.q.clone(), case.weights[0], 1e-6).to(dtype)
+        case.run(rope_and_store, True)
+        close(case.q, rotary_64(q_in, case.positions, case.cache), dtype)
+        v_rows = case.caches[1].flatten(0, 1)
+        assert (~v_rows.isnan()).flatten(1).all(1).sum() == (case.slots >= 0).sum()

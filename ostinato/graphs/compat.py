@@ -33,6 +33,7 @@ class Facts:
     backend: str
     support: GraphSupport
     max_tokens: int | None  # largest token capture size
+    max_num_batched_tokens: int
     max_reqs: int | None  # largest FULL decode capture size
     decode_query_len: int  # largest uniform decode query length: 1 + speculative tokens
     lora_counts: tuple[int, ...]  # active-adapter counts that key graphs; (0,) without LoRA
@@ -46,6 +47,7 @@ class Facts:
             backend=config.attention_backend,
             support=get_attention_backend(config.attention_backend).graph_support,
             max_tokens=plan.token_sizes[-1] if plan.token_sizes else None,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_reqs=plan.decode_sizes[-1] if plan.decode_sizes else None,
             decode_query_len=plan.decode_query_lens[-1],
             lora_counts=plan.lora_counts,
@@ -128,10 +130,11 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "eager_above_capture_size",
-        lambda f: True,
+        lambda f: f.max_tokens is not None and f.max_tokens < f.max_num_batched_tokens,
         _note(PIECEWISE, FULL, FULL_AND_PIECEWISE),
         "batches of more than {max_tokens} tokens run eagerly: that is the largest capture size "
-        "(max_capture_size, capped by max_num_batched_tokens)",
+        "(max_capture_size; by default the token graphs reach max_num_batched_tokens="
+        "{max_num_batched_tokens})",
     ),
     Rule(
         "eager_outside_decode_graphs",

@@ -8,11 +8,23 @@ from dataclasses import dataclass
 
 from ostinato.config import EngineConfig
 
+DENSE_UP_TO = 512  # the dense ladder's last size; above it, SPARSE_STEPS sizes per doubling
+SPARSE_STEPS = 4
+
 
 def default_ladder(cap: int) -> list[int]:
-    """[1, 2, 4, 8] + 16..256 step 16 + 288.. step 32, up to cap; cap itself is added when
-    the ladder stops short of it, so every batch up to the limit can be graphed."""
-    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(288, cap + 1, 32)]
+    """Dense up to 512: [1, 2, 4, 8] + 16..256 step 16 + 288..512 step 32 (decode batches and
+    small mixed steps, where a padded token costs as much as a real one). Above 512, sparse:
+    SPARSE_STEPS sizes per doubling (640..1024 step 128, 1280..2048 step 256, 2560..4096 step
+    512, 5120..8192 step 1024, ...), so a prefill-sized step pads by under 25% (about 11% on
+    average) while the whole ladder to 8192 adds only 16 graphs. Up to cap; cap itself is
+    added when the ladder stops short of it, so every batch up to the limit can be graphed."""
+    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(288, DENSE_UP_TO + 1, 32)]
+    octave = DENSE_UP_TO
+    while octave < cap:
+        step = octave // SPARSE_STEPS
+        ladder += range(octave + step, 2 * octave + 1, step)
+        octave *= 2
     sizes = [s for s in ladder if s <= cap]
     return sizes if cap < 1 or cap in sizes else [*sizes, cap]
 
@@ -39,7 +51,7 @@ def padded_size(sizes: Sequence[int], n: int) -> int | None:
 @dataclass(frozen=True)
 class CapturePlan:
     """token_sizes: padded num_tokens of PIECEWISE graphs (and of FULL graphs in mode full),
-    bounded by max_capture_size and max_num_batched_tokens.
+    bounded by max_num_batched_tokens, and by max_capture_size when it is set.
     decode_sizes: padded num_reqs of FULL uniform-decode graphs (num_tokens = num_reqs * q),
     one ladder for every q in decode_query_lens, bounded by max_num_seqs and
     max_num_batched_tokens // the largest q.
@@ -58,7 +70,10 @@ class CapturePlan:
     def from_config(cls, config: EngineConfig) -> CapturePlan:
         k = config.num_speculative_tokens
         query_lens = (1, 1 + k) if k else (1,)
-        max_tokens = min(config.max_capture_size, config.max_num_batched_tokens)
+        max_tokens = min(
+            config.max_capture_size or config.max_num_batched_tokens,
+            config.max_num_batched_tokens,
+        )
         max_reqs = min(config.max_num_seqs, config.max_num_batched_tokens // query_lens[-1])
         return cls(
             token_sizes=ladder(max_tokens, config.capture_sizes),

@@ -5,7 +5,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.launch import Launch
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -42,8 +43,18 @@ def _silu_and_mul_triton(x):
     if x2.shape[0] == 0:
         return out
     assert x2.stride(1) == 1
-    block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2, out, d, x2.stride(0), d, BLOCK=block, **pdl_options()
-    )
+    key = (d, x2.stride(0), interpreting())
+    launch = _launches.get(key)
+    if launch is None:
+        block = min(1024, triton.next_power_of_2(d))
+        pdl = pdl_options()
+        launch = _launches[key] = Launch(
+            _silu_and_mul_kernel, (1, triton.cdiv(d, block), 1), num_head=2,
+            tail=(d, x2.stride(0), d), constexprs=dict(BLOCK=block, PDL=pdl["PDL"]),
+            launch_pdl=pdl["launch_pdl"],
+        )  # fmt: skip
+    launch.run((x2.shape[0], launch.grid[1], 1), x2, out)
     return out
+
+
+_launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path

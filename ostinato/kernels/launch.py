@@ -12,6 +12,9 @@ ones cannot compile.
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import or_
+
 import torch
 
 from ostinato.kernels.dispatch import Kernel, interpreting
@@ -54,27 +57,35 @@ class Launch:
         self.key = _fixed_keys.setdefault(fixed, len(_fixed_keys))  # a small int hashes fast
 
     def __call__(self, *head: torch.Tensor) -> None:
+        self.run(self.grid, *head)
+
+    def run(self, grid: tuple[int, int, int], *head: torch.Tensor) -> None:
+        """One launch on another grid: kernels whose program count follows the token count
+        keep one Launch for every step size (the grid is no part of what Triton compiles)."""
         if not self.direct:
-            self.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            self.kernel[grid](*head, *self.tail, **self.kwargs)
             return
         pointers = [t.data_ptr() for t in head]
         device = head[0].get_device()
-        key = (
-            self.key,
-            device,
-            *[(t.dtype, p % 16 == 0) for t, p in zip(head, pointers, strict=True)],
-        )
+        key = (self.key, device, *_head_key(head, pointers))
         compiled = _compiled.get(key)
         if compiled is None:
-            kernel = self.kernel[self.grid](*head, *self.tail, **self.kwargs)
+            kernel = self.kernel[grid](*head, *self.tail, **self.kwargs)
             _compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
             return
         launcher, function, metadata = compiled
         # no launch metadata and no enter/exit hooks: a profiler's hooks see first calls only
         launcher(
-            *self.grid, _current_stream(device), function, metadata, None, None, None,
+            *grid, _current_stream(device), function, metadata, None, None, None,
             *pointers, *self.rest,
         )  # fmt: skip
+
+
+def _head_key(head: tuple[torch.Tensor, ...], pointers: list[int]) -> tuple:
+    """What Triton specialises on in the per-call tensors: dtypes and 16-byte alignment (True
+    when every pointer is aligned, found by one C-level OR; else each pointer's)."""
+    aligned = not reduce(or_, pointers) & 15 or tuple([p % 16 == 0 for p in pointers])
+    return aligned, *[t.dtype for t in head]
 
 
 def _address(arg):

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ostinato.context import LoRAMetadata
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.launch import Launch
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, meta: LoRAMetadata):
@@ -244,12 +245,12 @@ def _shrink_triton(x, a, ranks, meta):
     assert x.stride(1) == 1 and a.is_contiguous()
     block_m = _block_m(num_tokens, block_r)
     grid = (triton.cdiv(num_tokens, block_m) * split, shards, meta.num_active)
-    _shrink_kernel[grid](
-        x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts,
-        k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1),
-        R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        PRECISION=_precision(x.dtype), **pdl_options(),
-    )  # fmt: skip
+    tail = (k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1))
+    constexprs = dict(R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r,
+                      BLOCK_K=block_k, PRECISION=_precision(x.dtype))  # fmt: skip
+    _launch(_shrink_kernel, grid, tail, constexprs).run(
+        grid, x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts
+    )
     return out
 
 
@@ -266,9 +267,27 @@ def _expand_triton(partials, b, ranks, offsets, y, meta):
     block_r = _block_r(rank_max)
     block_m = _block_m(num_tokens, block_r)
     grid = (triton.cdiv(num_tokens, block_m) * n_tiles, shards, meta.num_active)
-    _expand_kernel[grid](
-        partials, b, ranks, y, meta.token_indices, meta.slots, meta.starts, meta.counts,
-        *ends, n_tiles, shards, partials.stride(0), partials.stride(1), b.stride(0), y.stride(0),
-        R=rank_max, SPLIT=partials.shape[0], BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-        BLOCK_R=block_r, PRECISION=_precision(y.dtype), **pdl_options(),
-    )  # fmt: skip
+    tail = (*ends, n_tiles, shards, partials.stride(0), partials.stride(1), b.stride(0),
+            y.stride(0))  # fmt: skip
+    constexprs = dict(R=rank_max, SPLIT=partials.shape[0], BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+                      BLOCK_R=block_r, PRECISION=_precision(y.dtype))  # fmt: skip
+    _launch(_expand_kernel, grid, tail, constexprs).run(
+        grid, partials, b, ranks, y, meta.token_indices, meta.slots, meta.starts, meta.counts
+    )
+
+
+_launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path
+
+
+def _launch(kernel, grid: tuple, tail: tuple, constexprs: dict) -> Launch:
+    """The cached launch of kernel for these trailing arguments and constexprs (the first
+    eight arguments, the tensors, are given per call)."""
+    key = (kernel, tail, *constexprs.values(), interpreting())
+    launch = _launches.get(key)
+    if launch is None:
+        pdl = pdl_options()
+        launch = _launches[key] = Launch(
+            kernel, grid, num_head=8, tail=tail, constexprs={**constexprs, "PDL": pdl["PDL"]},
+            launch_pdl=pdl["launch_pdl"],
+        )  # fmt: skip
+    return launch

@@ -4,7 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.launch import Launch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,6 +63,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + outer * stride_o0 + head * stride_o1 + cols, y, mask=mask)
 
 
+_launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path
+
+
 def _launch(x3, residual, out3, weight, eps) -> None:
     """x3, out3: [outer, inner, n] with unit stride in n; residual: [outer * inner, n] or None."""
     outer, inner, n = x3.shape
@@ -70,13 +74,19 @@ def _launch(x3, residual, out3, weight, eps) -> None:
         return
     assert x3.stride(2) == out3.stride(2) == 1
     res = x3 if residual is None else residual
-    block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows,)](
-        x3, res, out3, weight, eps, n, inner,
-        x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0), out3.stride(1),
-        ADD_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        **pdl_options(),
-    )  # fmt: skip
+    tail = (eps, n, inner, x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0),
+            out3.stride(1))  # fmt: skip
+    key = (tail, residual is not None, interpreting())
+    launch = _launches.get(key)
+    if launch is None:
+        block = triton.next_power_of_2(n)
+        pdl = pdl_options()
+        launch = _launches[key] = Launch(
+            _rms_norm_kernel, (rows, 1, 1), num_head=4, tail=tail,
+            constexprs=dict(ADD_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl["PDL"]),
+            num_warps=min(16, max(1, block // 256)), launch_pdl=pdl["launch_pdl"],
+        )  # fmt: skip
+    launch.run((rows, 1, 1), x3, res, out3, weight)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:

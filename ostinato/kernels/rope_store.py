@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
 from ostinato.kernels.kv_store import store_kv_torch
+from ostinato.kernels.launch import Launch
 from ostinato.kernels.norm import rms_norm_torch
 
 
@@ -141,15 +142,31 @@ def _rope_and_store_triton(
     if norm:
         assert q_weight.is_contiguous() and k_weight.is_contiguous()
     kv_heads = k.shape[1]
-    heads_p2 = triton.next_power_of_2(num_heads + kv_heads)
-    half_p2 = triton.next_power_of_2(head_dim // 2)
-    _rope_and_store_kernel[(num_tokens,)](
-        q, k, v, q_weight if norm else q, k_weight if norm else q, positions, cos_sin_cache,
-        slot_mapping, k_cache, v_cache, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+    tail = (
+        eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=num_heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
-        HEADS_P2=heads_p2, KV_P2=triton.next_power_of_2(kv_heads), HALF_P2=half_p2, NORM=norm,
-        # about 16 elements of each half per thread, so wide models (64 + 8 heads) do not spill
-        num_warps=min(16, max(4, heads_p2 * half_p2 // 512)), **pdl_options(),
     )  # fmt: skip
+    key = (tail, num_heads, kv_heads, head_dim, k_cache.shape[1], norm, interpreting())
+    launch = _launches.get(key)
+    if launch is None:
+        heads_p2 = triton.next_power_of_2(num_heads + kv_heads)
+        half_p2 = triton.next_power_of_2(head_dim // 2)
+        pdl = pdl_options()
+        launch = _launches[key] = Launch(
+            _rope_and_store_kernel, (num_tokens, 1, 1), num_head=10, tail=tail,
+            constexprs=dict(
+                NUM_HEADS=num_heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
+                HEADS_P2=heads_p2, KV_P2=triton.next_power_of_2(kv_heads), HALF_P2=half_p2,
+                NORM=norm, PDL=pdl["PDL"],
+            ),
+            # about 16 elements of each half per thread, so wide models (64 + 8 heads) do not
+            # spill
+            num_warps=min(16, max(4, heads_p2 * half_p2 // 512)), launch_pdl=pdl["launch_pdl"],
+        )  # fmt: skip
+    launch.run(
+        (num_tokens, 1, 1), q, k, v, q_weight if norm else q, k_weight if norm else q, positions,
+        cos_sin_cache, slot_mapping, k_cache, v_cache,
+    )  # fmt: skip
+
+
+_launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path

@@ -22,6 +22,7 @@ from ostinato.context import ForwardContext, forward_context
 from ostinato.distributed.parallel import Rank, startup_timeout, tp_group
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
+from ostinato.graphs.memory import graph_memory_reserve
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
 from ostinato.layout import kv_heads_per_rank, stage_layers
 from ostinato.loader import load_model
@@ -202,16 +203,9 @@ class ModelRunner:
         return num_blocks
 
     def graph_memory_reserve(self, activation: int) -> int:
-        """Room for the graph pool: graphs share one pool, so it holds about twice the
-        activations of the largest captured step, plus a few MiB of each graph's own state
-        (on the H100: 0.20 GiB measured for qwen3-0.6b's 48 graphs, 0.27 GiB for llama-3.1-8b).
-        With LoRA every size is captured once per active-adapter count."""
+        """Room for the graphs of this runner's plan (graphs/memory.py)."""
         descriptors = [d for ds in self.graphs.dispatcher.descriptors().values() for d in ds]
-        largest = max((d.num_tokens for d in descriptors), default=0)
-        if not largest:
-            return 0
-        share = min(1.0, largest / self.config.max_num_batched_tokens)
-        return int(activation * share * 2) + len(descriptors) * 4 * 2**20
+        return graph_memory_reserve(descriptors, activation, self.config.max_num_batched_tokens)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         c = self.hf_config
@@ -375,7 +369,8 @@ class ModelRunner:
                 )
 
     def graph_report(self) -> dict:
-        return self.graphs.report()
+        """The graph runtime's report, with the bytes the KV sizing left for graphs."""
+        return {**self.graphs.report(), "graph_memory_budget_bytes": self.graph_memory_budget}
 
     def _run_dummy(self, num_tokens: int) -> None:
         """Profile a peak step: forward (through every adapter slot with LoRA), and on the last
