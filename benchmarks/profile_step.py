@@ -148,6 +148,7 @@ def kernels(engine: LLMEngine, batch: int) -> dict:
         "kernels": sum(names.values()),
         "per_layer": sum(names.values()) / layers,
         "device_ms": sum(device_us.values()) / 1e3,
+        "us_per_kernel": sum(device_us.values()) / max(1, sum(names.values())),
         "by_name": {n: [c, round(device_us[n], 1)] for n, c in names.most_common()},
     }
 
