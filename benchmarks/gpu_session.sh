@@ -157,7 +157,7 @@ decode)  # issue 18 (~3 min): the fused decode kernels' tests, qwen3-0.6b latenc
   info | tee "$OUT/env.txt"
   timeout 120 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
     -p no:cacheprovider -o addopts="" -rs --maxfail=8 \
-    -k "gemv or norm or decode or replays or oracle or every_mode" 2>&1 | tee "$OUT/decode-tests.log" | tail -n 25
+    -k "gemv or norm or attention or replays or oracle or every_mode" 2>&1 | tee "$OUT/decode-tests.log" | tail -n 25
   timeout 75 python3 benchmarks/profile_step.py --model random:qwen3-0.6b --modes full_and_piecewise \
     --batch-sizes 1 --sections decode,kernels --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile.log" |
     grep -v '^{' | tail -n 20

@@ -236,6 +236,28 @@ def test_paged_attention_mixed_batch(kind, group):
     check_attention(batch, out, scale, torch.float32)
 
 
+def test_split_kv_follows_the_live_length():
+    """One launch object, as a graph replays it, over steps whose lengths change on the device:
+    a long context splits into up to four parts, a short one runs as one part that writes its
+    own output (the combine skips it), and a later medium one (two parts) never merges the
+    partials the long step left in the parts it no longer uses."""
+    batch = make_batch([1, 1], [100, 90], 4, 2, 64, torch.float32)
+    out = torch.full(batch.q.shape, NAN)
+    scale = 64**-0.5
+    b = batch
+    attention = PagedAttention(
+        b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale,
+        Config(1, 16, 16, 4, num_warps=4, num_stages=1),
+    )  # fmt: skip
+    for lens in ([100, 90], [20, 3], [40, 70]):  # live parts: 4 4, 1 1, 2 3
+        batch.seq_lens.copy_(torch.tensor(lens))
+        out.fill_(NAN)
+        attention(b.q, b.k_cache, b.v_cache, out)
+        expected = torch.full_like(out, NAN)
+        paged_attention_torch(*batch.args(expected), scale)
+        close(out, expected, torch.float32, scale=10)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_paged_attention_head_dims(head_dim):
     batch = make_batch([3, 1, 20], [3, 33, 50], 4, 2, head_dim, torch.float32)
