@@ -155,7 +155,7 @@ PY
   ;;
 decode)  # issue 18 (~3 min): the fused decode kernels' tests, qwen3-0.6b latency, kernels/layer
   info | tee "$OUT/env.txt"
-  timeout 120 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
+  timeout 100 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
     -p no:cacheprovider -o addopts="" -rs --maxfail=8 \
     -k "gemv or norm or attention or replays or oracle or every_mode" 2>&1 | tee "$OUT/decode-tests.log" | tail -n 25
   timeout 75 python3 benchmarks/profile_step.py --model random:qwen3-0.6b --modes full_and_piecewise \
