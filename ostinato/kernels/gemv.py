@@ -112,14 +112,21 @@ def _gemv_kernel(
     SILU, column j combines weight rows j (gate) and n_out + j (up). With NORM the input rows
     are normalised first (after adding res_ptr's rows with ADD_IN; program 0 stores the sum at
     sum_ptr); with ADD_OUT, res_ptr's rows are added to the output."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     stored = tl.where(tl.program_id(0) == 0, K, 0)  # the columns this program stores of a sum
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     rows = tl.arange(0, M_P2)
     k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    # the first chunk of weights, which no kernel writes, is read while the one before drains
+    ok = col_ok[:, None] & (k < K)[None, :]
+    w_first = tl.load(w_rows + k[None, :], mask=ok, other=0.0)
+    u_first = w_first
+    if SILU:
+        u_first = tl.load(w_rows + n_out * stride_wn + k[None, :], mask=ok, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rstd = tl.zeros([M_P2], tl.float32)
     if NORM:  # a pass over the input rows (from L2) for their norms
         for m in tl.static_range(M):
@@ -134,14 +141,16 @@ def _gemv_kernel(
             rstd = tl.where(rows == m, tl.rsqrt(tl.sum(squares, axis=0) / K + eps), rstd)
     gate = tl.zeros([M_P2, BLOCK_N], tl.float32)
     up = tl.zeros([M_P2, BLOCK_N], tl.float32)
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     for c in tl.static_range(CHUNKS):
         kk = c * BLOCK_K + k
         ok = col_ok[:, None] & (kk < K)[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-        if SILU:
-            u = tl.load(w_rows + n_out * stride_wn + kk[None, :], mask=ok, other=0.0)
-            u = u.to(tl.float32)
+        if c == 0:
+            w, u = w_first.to(tl.float32), u_first.to(tl.float32)
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+            if SILU:
+                u = tl.load(w_rows + n_out * stride_wn + kk[None, :], mask=ok, other=0.0)
+                u = u.to(tl.float32)
         if NORM:
             g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         for m in tl.static_range(M):
