@@ -153,21 +153,19 @@ for batch, adapters, limit in ((1, 1, 1.15), (32, 4, 1.3)):
           f"LoRA engine without adapters {lora[batch, 0]:.3f} ms = {lora[batch, 0] / base[batch]:.3f}x")
 PY
   ;;
-decode)  # issue 18 (~3 min): the fused decode kernels' tests, qwen3-0.6b latency, kernels/layer
+decode)  # issue 18 (~3 min): the fused decode kernels' tests; qwen3-0.6b decode, fused vs not
   info | tee "$OUT/env.txt"
-  timeout 100 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
+  timeout 80 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
     -p no:cacheprovider -o addopts="" -rs --maxfail=8 \
-    -k "gemv or norm or attention or replays or oracle or every_mode" 2>&1 | tee "$OUT/decode-tests.log" | tail -n 25
-  timeout 75 python3 benchmarks/profile_step.py --model random:qwen3-0.6b --modes full_and_piecewise \
-    --batch-sizes 1 --sections decode,kernels --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile.log" |
-    grep -v '^{' | tail -n 20
-  timeout 90 python3 -m ostinato.cli bench latency --model random:qwen3-0.6b --json --batch-size 1,32 \
-    --input-len 512 --output-len 64 --iters 3 --max-model-len 2048 \
-    --cuda-graph-mode full_and_piecewise,piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/latency.jsonl"
-  timeout 80 python3 -m ostinato.cli bench latency --model random:llama-3.1-8b --json --batch-size 1 \
-    --input-len 512 --output-len 32 --iters 2 --max-model-len 2048 \
-    --cuda-graph-mode full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/latency.jsonl"
-  grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn|traceback" | tail -n 10
+    -k "gemv or paged_attention_decode or oracle_bfloat16 or every_mode" 2>&1 | tee "$OUT/decode-tests.log" | tail -n 25
+  # the same tree with the norm / residual fusions off (--no-fuse), side by side
+  for fuse in fused no-fuse; do
+    flag=$([ $fuse = no-fuse ] && echo --no-fuse)
+    # shellcheck disable=SC2086
+    timeout 55 python3 benchmarks/profile_step.py --model random:qwen3-0.6b --modes full_and_piecewise \
+      --batch-sizes 1,32 --sections decode,kernels --steps 48 --label $fuse $flag \
+      --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile-$fuse.log" | grep -v '^{' | tail -n 16
+  done
   ;;
 profile)  # MODEL [BASELINE_TREE]: the step profile per mode; with a second checkout, it too
   model=${2:?model}

@@ -127,6 +127,9 @@ def _gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    out_ok = (rows[:, None] < M) & col_ok[None, :]
+    if ADD_OUT:  # loaded now, so its latency hides behind the weights'
+        r_out = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
     rstd = tl.zeros([M_P2], tl.float32)
     if NORM:  # a pass over the input rows (from L2) for their norms
         for m in tl.static_range(M):
@@ -172,10 +175,8 @@ def _gemv_kernel(
         # rounded to the output dtype first, as the unfused projection stores it
         g = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = g * tl.sigmoid(g) * up.to(y_ptr.dtype.element_ty).to(tl.float32)
-    out_ok = (rows[:, None] < M) & col_ok[None, :]
     if ADD_OUT:  # the projection rounds as stored, then the residual add rounds again
-        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r.to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r_out.to(tl.float32)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=out_ok)
 

@@ -24,6 +24,8 @@ from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
 
+FUSE = True  # the small-batch fusions around the projections (an A/B switch for benches)
+
 
 def project(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -77,7 +79,7 @@ class Linear(nn.Module):
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the small-batch kernel runs this projection of x, with the ops around it."""
-        return gemv_pays(x, self.weight)
+        return FUSE and gemv_pays(x, self.weight)
 
 
 class ColumnParallelLinear(Linear):
