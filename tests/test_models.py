@@ -130,3 +130,25 @@ def test_one_token_decode_through_the_fused_projections_matches_hf(arch, tmp_pat
     got = run(model, kv, seq[-1:], positions, meta)
     assert len(fused) >= 4 * hf.config.num_hidden_layers
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
+    """Where the last projection of a stage added the residual itself, the stage sends the
+    stream with a zero residual, and the next stage's sum is the same stream."""
+    path = make_hf_checkpoint("qwen3", tmp_path, num_hidden_layers=2)
+    whole, first, last = load(path), load(path, (0, 1)), load(path, (1, 2))
+    vocab = whole.config.vocab_size
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w: w.shape[0] != vocab)
+    monkeypatch.setattr(gemv_module, "_PROGRAMS", 8)
+    input_ids = torch.randint(0, vocab, (1,))
+    positions, meta = step_metadata([0], [1])
+    want = run(whole, kv_caches(whole.config), input_ids, positions, meta)
+    with (
+        torch.no_grad(),
+        forward_context(ForwardContext(meta, kv_caches(whole.config), TorchAttentionBackend())),
+    ):
+        sent = first(input_ids, positions)
+        assert not sent.residual.any()
+        got = last.compute_logits(last(input_ids, positions, sent))
+    torch.testing.assert_close(got, want)
