@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_session.sh structured M  # structured-output tests, decode constrained vs not
 #   bash benchmarks/gpu_session.sh prefill  # prefill graphs: GPU tests, bench prefill, start-up,
 #                                           # eager decode, prefill attention kernel sweep
+#   bash benchmarks/gpu_session.sh decode   # small-batch decode: fused-kernel tests, latency, kernels/layer
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -183,6 +184,20 @@ for batch, adapters, limit in ((1, 1, 1.15), (32, 4, 1.3)):
           f"{base[batch]:.3f} ms = {ratio:.3f}x (limit {limit}x: {'met' if ratio <= limit else 'MISSED'}); "
           f"LoRA engine without adapters {lora[batch, 0]:.3f} ms = {lora[batch, 0] / base[batch]:.3f}x")
 PY
+  ;;
+decode)  # issue 18 (~3 min): the fused decode kernels' tests; qwen3-0.6b decode, fused vs not
+  info | tee "$OUT/env.txt"
+  timeout 80 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
+    -p no:cacheprovider -o addopts="" -rs --maxfail=8 \
+    -k "gemv or paged_attention_decode or oracle_bfloat16 or every_mode" 2>&1 | tee "$OUT/decode-tests.log" | tail -n 25
+  # the same tree with the norm / residual fusions off (--no-fuse), side by side
+  for fuse in fused no-fuse; do
+    flag=$([ $fuse = no-fuse ] && echo --no-fuse)
+    # shellcheck disable=SC2086
+    timeout 55 python3 benchmarks/profile_step.py --model random:qwen3-0.6b --modes full_and_piecewise \
+      --batch-sizes 1,32 --sections decode,kernels --steps 48 --label $fuse $flag \
+      --json "$OUT/profile.jsonl" 2>&1 | tee "$OUT/profile-$fuse.log" | grep -v '^{' | tail -n 16
+  done
   ;;
 profile)  # MODEL [BASELINE_TREE]: the step profile per mode; with a second checkout, it too
   model=${2:?model}

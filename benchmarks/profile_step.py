@@ -148,6 +148,7 @@ def kernels(engine: LLMEngine, batch: int) -> dict:
         "kernels": sum(names.values()),
         "per_layer": sum(names.values()) / layers,
         "device_ms": sum(device_us.values()) / 1e3,
+        "us_per_kernel": sum(device_us.values()) / max(1, sum(names.values())),
         "by_name": {n: [c, round(device_us[n], 1)] for n, c in names.most_common()},
     }
 
@@ -228,7 +229,10 @@ def mixed_step_ms(engine: LLMEngine, decodes: int = 31, chunk: int = 256, reps: 
 
 
 def build(model: str, mode: str) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=2048))
+    """Without async scheduling: the sections below schedule and run steps one at a time."""
+    return LLMEngine(
+        EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=2048, async_scheduling=False)
+    )
 
 
 def main() -> None:
@@ -242,9 +246,14 @@ def main() -> None:
     parser.add_argument("--json", help="append every result here as a JSON line")
     parser.add_argument("--no-pdl", action="store_true", help="A/B: launch without PDL")
     parser.add_argument("--no-gemv", action="store_true", help="A/B: cuBLAS for every projection")
+    parser.add_argument(
+        "--no-fuse", action="store_true", help="A/B: small-batch projections without the norms"
+    )
     args = parser.parse_args()
     if args.no_pdl:
         importlib.import_module("ostinato.kernels.dispatch").PDL = False
+    if args.no_fuse:
+        importlib.import_module("ostinato.layers.linear").FUSE = False
     if args.no_gemv:
         importlib.import_module("ostinato.kernels.gemv").MAX_ROWS = 0
     sections = set(args.sections.split(","))

@@ -17,7 +17,7 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.gemv import gemv, gemv_pays, gemv_torch
+from ostinato.kernels.gemv import gemv, gemv_normed, gemv_normed_torch, gemv_pays, gemv_torch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import (
     Config,
@@ -236,6 +236,28 @@ def test_paged_attention_mixed_batch(kind, group):
     check_attention(batch, out, scale, torch.float32)
 
 
+def test_split_kv_follows_the_live_length():
+    """One launch object, as a graph replays it, over steps whose lengths change on the device:
+    a long context splits into up to four parts, a short one runs as one part that writes its
+    own output (the combine skips it), and a later medium one (two parts) never merges the
+    partials the long step left in the parts it no longer uses."""
+    batch = make_batch([1, 1], [100, 90], 4, 2, 64, torch.float32)
+    out = torch.full(batch.q.shape, NAN)
+    scale = 64**-0.5
+    b = batch
+    attention = PagedAttention(
+        b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale,
+        Config(1, 16, 16, 4, num_warps=4, num_stages=1),
+    )  # fmt: skip
+    for lens in ([100, 90], [20, 3], [40, 70]):  # live parts: 4 4, 1 1, 2 3
+        batch.seq_lens.copy_(torch.tensor(lens))
+        out.fill_(NAN)
+        attention(b.q, b.k_cache, b.v_cache, out)
+        expected = torch.full_like(out, NAN)
+        paged_attention_torch(*batch.args(expected), scale)
+        close(out, expected, torch.float32, scale=10)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_paged_attention_head_dims(head_dim):
     batch = make_batch([3, 1, 20], [3, 33, 50], 4, 2, head_dim, torch.float32)
@@ -423,6 +445,59 @@ def test_gemv_matches_linear(rows, silu, bias, dtype):
         gate, up = y.chunk(2, dim=-1)
         y = torch.nn.functional.silu(gate) * up
     close(out, y, dtype, scale=5)
+
+
+def silu_64(y):
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_normed_is_norm_then_projection(rows, silu, with_residual, dtype):
+    """The norm prologue (after the residual add when given) against the unfused sequence in
+    float64: s = x + residual, y = rms_norm(s) @ W.T + b (then silu); the stream s comes back
+    as a new tensor, x and residual untouched. K = 1100 spans three 512-wide chunks."""
+    k, n = 1100, 2 * 37
+    x = torch.randn(rows, k).to(dtype)
+    residual = torch.randn(rows, k).to(dtype) if with_residual else None
+    norm_w = (torch.rand(k) + 0.5).to(dtype)
+    weight = (torch.randn(n, k) * 0.05).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype)
+    x_before = x.clone()
+    out, stream = gemv_normed(x, residual, norm_w, 1e-6, weight, b, silu)
+    assert torch.equal(x, x_before)
+    s = x.double() + (residual.double() if with_residual else 0)
+    if with_residual:
+        assert stream.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+        close(stream, s, dtype)
+    else:
+        assert stream is x
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    y = normed @ weight.double().T + b.double()
+    y = silu_64(y) if silu else y
+    assert out.shape == y.shape
+    close(out, y, dtype, scale=5)
+    expected, _ = gemv_normed_torch(x, residual, norm_w, 1e-6, weight, b, silu)
+    close(out, expected, dtype, scale=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_adds_the_residual_in_its_epilogue(silu, dtype):
+    """y = x @ W.T (+ silu) + residual into a new tensor, the residual only read; odd K and N."""
+    k, n = 333, 2 * 19
+    x = torch.randn(1, k).to(dtype)
+    weight = (torch.randn(n, k) * 0.05).to(dtype)
+    residual = torch.randn(1, n // 2 if silu else n).to(dtype)
+    before = residual.clone()
+    out = gemv(x, weight, silu_and_mul=silu, add=residual)
+    assert torch.equal(residual, before) and out.data_ptr() != residual.data_ptr()
+    y = x.double() @ weight.double().T
+    close(out, (silu_64(y) if silu else y) + residual.double(), dtype, scale=5)
+    close(out, gemv_torch(x, weight, None, silu, add=residual), dtype, scale=2)
 
 
 def test_gemv_is_for_single_rows_on_cuda_only():

@@ -11,6 +11,8 @@ from helpers import make_hf_checkpoint
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineConfig
 from ostinato.context import AttentionMetadata, ForwardContext, forward_context
+from ostinato.kernels import gemv as gemv_module
+from ostinato.layers import linear as linear_module
 from ostinato.loader import load_hf_config, load_model
 from ostinato.models.base import IntermediateTensors
 
@@ -103,3 +105,50 @@ def test_pipeline_stages_match_whole_model(arch, tmp_path):
     # a stage never writes into its inputs (on GPU: the runner's receive buffers)
     assert torch.equal(kept.hidden_states, sent.hidden_states)
     assert torch.equal(kept.residual, sent.residual)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # + biases, + q/k norms
+def test_one_token_decode_through_the_fused_projections_matches_hf(arch, tmp_path, monkeypatch):
+    """A decode token where the small-batch kernels run (forced on the CPU, interpreted): the
+    norms in the projections' prologues and the residual adds in their epilogues give HF's
+    logits; the prefill before it takes the unfused path, so both kinds share one stream."""
+    checkpoint = make_hf_checkpoint(arch, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = load(checkpoint)
+    seq = torch.randint(0, hf.config.vocab_size, (PROMPT_LENS[1] + 1,))
+    with torch.no_grad():
+        want = hf(seq[None]).logits[0, -1:]
+    kv = kv_caches(hf.config)
+    positions, meta = step_metadata([0], [PROMPT_LENS[1]])
+    run(model, kv, seq[:-1], positions, meta)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fused = []  # the projections of the layers (the LM head would only slow the interpreter)
+    pays = lambda x, w: w.shape[0] != hf.config.vocab_size and not fused.append(w.shape)  # noqa: E731
+    monkeypatch.setattr(linear_module, "gemv_pays", pays)
+    monkeypatch.setattr(gemv_module, "_PROGRAMS", 8)  # wide programs: fewer to interpret
+    positions, meta = step_metadata([PROMPT_LENS[1]], [1])
+    got = run(model, kv, seq[-1:], positions, meta)
+    assert len(fused) >= 4 * hf.config.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
+    """Where the last projection of a stage added the residual itself, the stage sends the
+    stream with a zero residual, and the next stage's sum is the same stream."""
+    path = make_hf_checkpoint("qwen3", tmp_path, num_hidden_layers=2)
+    whole, first, last = load(path), load(path, (0, 1)), load(path, (1, 2))
+    vocab = whole.config.vocab_size
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w: w.shape[0] != vocab)
+    monkeypatch.setattr(gemv_module, "_PROGRAMS", 8)
+    input_ids = torch.randint(0, vocab, (1,))
+    positions, meta = step_metadata([0], [1])
+    want = run(whole, kv_caches(whole.config), input_ids, positions, meta)
+    with (
+        torch.no_grad(),
+        forward_context(ForwardContext(meta, kv_caches(whole.config), TorchAttentionBackend())),
+    ):
+        sent = first(input_ids, positions)
+        assert not sent.residual.any()
+        got = last.compute_logits(last(input_ids, positions, sent))
+    torch.testing.assert_close(got, want)

@@ -99,7 +99,7 @@ def _attend_tile(
 @jit(do_not_specialize=["num_reqs"])  # no compiled variant per batch size
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_ptr, m_ptr, l_ptr,
+    part_ptr, m_ptr, l_ptr, live_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -112,9 +112,11 @@ def _attention_kernel(
     the whole group. Tiles are numbered request by request: request i owns the
     cdiv(q_i, BLOCK_Q) tiles from first_tile(i) = query_start_loc[i] // BLOCK_Q + i on (just
     query_start_loc[i] when BLOCK_Q is 1), so the grid is bounded by shapes and spare tiles
-    exit. With SPLIT, split s covers one of num_splits equal parts of the tile's KV range and
-    writes an unnormalised partial that _combine_kernel reduces (parts past a short context
-    are empty and cost one store)."""
+    exit. With SPLIT, the live context decides (read here, so a graph's replay sees the step's
+    lengths): the tile's KV range is cut into `live` equal parts of at least two KV tiles, at
+    most num_splits; split s < live writes an unnormalised partial that _combine_kernel
+    reduces, the others exit at once, and with one live part split 0 writes the output itself
+    (the combine then skips the row). live_ptr holds each token's live part count."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -143,8 +145,12 @@ def _attention_kernel(
     first_pos = ctx_len + q_tile * BLOCK_Q
     kv_hi = tl.minimum(seq_len, first_pos + BLOCK_Q)
     kv_lo = 0
+    live = 1
     if SPLIT:
-        part_len = tl.cdiv(tl.cdiv(kv_hi, num_splits), BLOCK_N) * BLOCK_N
+        live = tl.maximum(tl.minimum(num_splits, tl.cdiv(kv_hi, 2 * BLOCK_N)), 1)
+        if split >= live:
+            return
+        part_len = tl.cdiv(tl.cdiv(kv_hi, live), BLOCK_N) * BLOCK_N
         kv_lo = split * part_len
         kv_hi = tl.minimum(kv_hi, kv_lo + part_len)
 
@@ -178,7 +184,10 @@ def _attention_kernel(
             stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION,
         )  # fmt: skip
 
-    if SPLIT:
+    if SPLIT:  # split 0 of every token's row, for the combine
+        first = (rows * 0 + split) == 0
+        tl.store(live_ptr + token, tl.zeros_like(rows) + live, mask=row_ok & first)
+    if live > 1:
         part = (token * (GROUP * tl.num_programs(1)) + head) * num_splits + split
         tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + part, m_i, mask=row_ok)
@@ -191,10 +200,11 @@ def _attention_kernel(
 
 @jit(do_not_specialize=["num_reqs"])
 def _combine_kernel(
-    out_ptr, part_ptr, m_ptr, l_ptr, query_start_loc_ptr, num_reqs, stride_ot, stride_oh,
+    out_ptr, part_ptr, m_ptr, l_ptr, live_ptr, query_start_loc_ptr, num_reqs, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (token, head): merges the SPLITS partials of one row by their softmax weights.
+    """Grid (token, head): merges the live partials of one row by their softmax weights; a row
+    with one live part was written by the attention kernel and is skipped.
     Measured on the H100, this second launch beats merging in the attention kernel's last
     part to finish, at every batch and context tried."""
     if PDL:
@@ -204,13 +214,18 @@ def _combine_kernel(
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_reqs):
         return  # a padding token of no request: nothing was computed, nothing is written
+    live = tl.load(live_ptr + token)
+    if live <= 1:
+        return
     row = (token.to(tl.int64) * tl.num_programs(1) + head) * SPLITS
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    m = tl.load(m_ptr + row + s)
+    m = tl.load(m_ptr + row + s, mask=s < live, other=float("-inf"))
     w = tl.exp2(m - tl.max(m, axis=0))
-    l_sum = tl.sum(tl.load(l_ptr + row + s) * w, axis=0)
-    acc = tl.load(part_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :])
+    l_sum = tl.sum(tl.load(l_ptr + row + s, mask=s < live, other=0.0) * w, axis=0)
+    acc = tl.load(
+        part_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < live)[:, None], other=0.0
+    )
     o = tl.sum(acc * w[:, None], axis=0) / l_sum
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
 
@@ -312,6 +327,7 @@ class PagedAttention:
         part_shape = (num_tokens, num_heads, cfg.splits) if split else (1,)
         part = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((2, *part_shape), dtype=torch.float32, device=q.device)
+        live = torch.empty(num_tokens if split else 1, dtype=torch.int32, device=q.device)
         pdl = pdl_options()
         self.attend = Launch(
             _attention_kernel,
@@ -321,6 +337,7 @@ class PagedAttention:
                 part,
                 stats[0],
                 stats[1],
+                live,
                 query_start_loc,
                 seq_lens,
                 block_table,
@@ -360,6 +377,7 @@ class PagedAttention:
                     part,
                     stats[0],
                     stats[1],
+                    live,
                     query_start_loc,
                     num_reqs,
                     out.stride(0),

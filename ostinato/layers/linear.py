@@ -18,9 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ostinato.distributed.parallel import tp_group
-from ostinato.kernels.gemv import gemv, gemv_pays
+from ostinato.kernels import silu_and_mul
+from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
+from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
+
+FUSE = True  # the small-batch fusions around the projections (an A/B switch for benches)
 
 
 def project(
@@ -32,6 +36,38 @@ def project(
     return F.linear(x, weight, bias)
 
 
+def normed_projection(
+    proj: nn.Module,
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    silu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj(norm(x + residual)), with silu (a merged gate|up) SiLU-and-mul after it, and the
+    residual stream x + residual as one tensor (x itself without a residual). One kernel
+    where the small-batch kernel pays for a plain projection (the norm in its prologue); else
+    the norm (with the add, in place) and then proj, which may be a wrapped one (LoRA)."""
+    if isinstance(proj, Linear) and proj.fuses(x):
+        return gemv_normed(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu)
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        x, residual = norm(x, residual)
+    y = proj(x)
+    return (silu_and_mul(y) if silu else y), residual
+
+
+def residual_projection(
+    proj: nn.Module, x: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream once proj(x) is added to it, as (hidden, residual): hidden +
+    residual, or hidden alone when residual is None. The small-batch kernel adds in its
+    epilogue, so the next norm reads one tensor; otherwise the add is left to that norm."""
+    if isinstance(proj, Linear) and proj.fuses(x):
+        return gemv(x, proj.weight, proj.bias, add=residual), None
+    return proj(x), residual
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -40,6 +76,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return project(x, self.weight, self.bias)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether the small-batch kernel runs this projection of x, with the ops around it."""
+        return FUSE and gemv_pays(x, self.weight)
 
 
 class ColumnParallelLinear(Linear):
@@ -111,6 +151,10 @@ class RowParallelLinear(Linear):
             return project(x, self.weight, self.bias)
         out = self.tp.all_reduce(project(x, self.weight))
         return out if self.bias is None else out.add_(self.bias)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Not over several ranks: the residual is added after the all-reduce."""
+        return self.tp.size == 1 and super().fuses(x)
 
     def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
         check_shape(loaded, param.full_shape)

@@ -14,10 +14,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ostinato.layers.activation import SiluAndMul
 from ostinato.layers.attention import Attention
 from ostinato.layers.embedding import LMHead, VocabEmbedding
-from ostinato.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ostinato.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    normed_projection,
+    residual_projection,
+)
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.rotary import RotaryEmbedding, rope_parameters
 from ostinato.layers.weights import Loadable, loader_of
@@ -70,24 +74,36 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.heads, self.kv_heads, dim, layer_idx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream (hidden + residual; hidden alone when residual is None) after
+        this block adds attention over norm(stream) to it, as the same kind of pair."""
+        qkv, residual = normed_projection(self.qkv_proj, norm, hidden, residual)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(-1, self.heads, self.dim)
         k = k.view(-1, self.kv_heads, self.dim)
         v = v.view(-1, self.kv_heads, self.dim)
         out = self.attn(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
-        return self.o_proj(out.flatten(1))
+        return residual_projection(self.o_proj, out.flatten(1), residual)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
-        self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act.of_projection(self.gate_up_proj, x))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As LlamaAttention.forward, with silu(gate) * up -> down over norm(stream)."""
+        act, residual = normed_projection(self.gate_up_proj, norm, hidden, residual, silu=True)
+        return residual_projection(self.down_proj, act, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -101,16 +117,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns the MLP output and the residual stream before that output is added to it:
-        the next norm adds and normalises in one kernel."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream in and out as (hidden, residual): their sum, or hidden alone
+        when residual is None. Where an add is left pending, the next norm does it in the same
+        kernel; where the small-batch projections run, each norm runs inside the projection
+        after it and each residual add inside the projection before it."""
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 def check_supported(config) -> None:
@@ -165,8 +178,10 @@ class LlamaModel(nn.Module):
         for layer in self.layers.values():
             hidden, residual = layer(positions, hidden, residual)
         if self.norm is None:
+            if residual is None:  # the next stage adds the two
+                residual = torch.zeros_like(hidden)
             return IntermediateTensors(hidden, residual)
-        return self.norm(hidden, residual)[0]
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

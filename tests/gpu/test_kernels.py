@@ -13,7 +13,7 @@ from ostinato.kernels import (
     rope_and_store,
     silu_and_mul,
 )
-from ostinato.kernels.gemv import gemv, gemv_pays
+from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
 from ostinato.kernels.paged_attention import paged_attention_torch
 from ostinato.kernels.rope_store import rope_and_store_torch
 
@@ -116,6 +116,53 @@ def test_gemv_bf16_in_a_graph(rows, n, k, silu):
     x.normal_()
     graph.replay()
     torch.testing.assert_close(out, gemv(x, weight, silu_and_mul=silu), rtol=0, atol=0)
+
+
+def silu_64(y):
+    gate, up = y.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize(
+    "n, k, silu", [(4096, 1024, False), (6144, 1024, True), (6144, 4096, False)]
+)
+def test_gemv_normed_bf16_in_a_graph(n, k, silu, with_residual):
+    """The norm prologue (after the residual add) against float64 at qwen3-0.6b / llama-8b
+    shapes; replays of the captured kernel with new inputs equal fresh launches."""
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    residual = torch.randn(1, k, device="cuda", dtype=BF16) if with_residual else None
+    norm_w = torch.rand(k, device="cuda", dtype=BF16) + 0.5
+    weight = torch.randn(n, k, device="cuda", dtype=BF16) * 0.03
+    s = x.double() + (residual.double() if with_residual else 0)
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    expected = normed @ weight.double().T
+    out, stream = gemv_normed(x, residual, norm_w, 1e-6, weight, silu_and_mul=silu)
+    assert_rel(out, silu_64(expected) if silu else expected)
+    assert_rel(stream, s, tol=4e-3)  # one bf16 rounding: about 1e-3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, stream = gemv_normed(x, residual, norm_w, 1e-6, weight, silu_and_mul=silu)
+    x.normal_()
+    if with_residual:
+        residual.normal_()
+    graph.replay()
+    fresh, fresh_stream = gemv_normed(x, residual, norm_w, 1e-6, weight, silu_and_mul=silu)
+    torch.testing.assert_close(out, fresh, rtol=0, atol=0)
+    torch.testing.assert_close(stream, fresh_stream, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "n, k, silu", [(1024, 2048, False), (4096, 4096, False), (2048, 1024, True)]
+)
+def test_gemv_residual_epilogue_bf16(n, k, silu):
+    x = torch.randn(1, k, device="cuda", dtype=BF16)
+    weight = torch.randn(n, k, device="cuda", dtype=BF16) * 0.03
+    add = torch.randn(1, n // 2 if silu else n, device="cuda", dtype=BF16)
+    y = x.double() @ weight.double().T
+    assert_rel(
+        gemv(x, weight, silu_and_mul=silu, add=add), (silu_64(y) if silu else y) + add.double()
+    )
 
 
 # ---- paged attention ---------------------------------------------------------------------
