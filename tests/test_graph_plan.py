@@ -72,3 +72,21 @@ def test_padding_is_the_smallest_captured_size_at_least_n():
         assert padded >= n and padded in p.token_sizes
         assert not [s for s in p.token_sizes if n <= s < padded]
         assert p.pad_reqs(n) == (None if n > 200 else min(s for s in p.decode_sizes if s >= n))
+
+
+def test_an_override_keeps_a_size_equal_to_the_cap():
+    p = plan(capture_sizes=[4, 8, 64], max_num_seqs=8, max_capture_size=64)
+    assert p.token_sizes == (4, 8, 64) and p.decode_sizes == (4, 8)
+    assert p.max_num_seqs == 8
+
+
+@pytest.mark.parametrize(
+    ("max_loras", "counts"), [(1, (0, 1)), (4, (0, 1, 2, 4)), (5, (0, 1, 2, 4, 5))]
+)
+def test_lora_counts_are_zero_powers_of_two_and_max_loras(max_loras, counts):
+    p = plan(enable_lora=True, max_loras=max_loras)
+    assert p.lora_counts == counts
+    assert [p.pad_loras(n) for n in range(max_loras + 2)] == [
+        min(c for c in counts if c >= n) for n in range(max_loras + 1)
+    ] + [None]
+    assert plan(max_loras=max_loras).lora_counts == (0,)  # LoRA off: the base graphs only
