@@ -198,3 +198,8 @@ def test_reasons_name_the_backend_and_both_modes_and_are_logged(caplog):
         *(f"cuda graph rule {d['rule']}: {d['reason']}" for d in decisions),
     ]
     assert decisions[0]["rule"] == "backend_not_capturable"
+
+
+def test_the_cpu_reason_names_the_device():
+    (decision,) = resolve(EngineConfig(device="cpu")).decisions
+    assert decision.reason == "CUDA graphs need a CUDA device (device=cpu): every step runs eagerly"
