@@ -119,3 +119,26 @@ def test_bench_prefill_refuses_prompts_that_do_not_fit(capsys):
     argv = ["bench", "prefill", "--device", "cpu", "--input-len", "64", "--max-model-len", "64"]
     assert main(argv) == 2
     assert "raise --max-model-len" in capsys.readouterr().err
+
+
+def test_latency_numbers_follow_a_fake_clock(monkeypatch):
+    """Each engine step takes exactly 10 ms on a fake clock: a batch of 40-token prompts
+    prefills in one step (its first tokens: TTFT 10 ms), then decodes 4 more tokens, one step
+    each (TPOT 10 ms); with 60-token chunks, 2 prefill steps make TTFT 20 ms."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    for budget, ttft in ((8192, 10.0), (64, 20.0)):
+        engine, seconds = bench._build(EngineConfig(device="cpu", max_num_batched_tokens=budget))
+        step = engine.step
+
+        def timed_step(step=step):
+            clock[0] += 0.010
+            return step()
+
+        monkeypatch.setattr(engine, "step", timed_step)
+        args = argparse.Namespace(
+            batch_size=[1, 3], input_len=40, output_len=5, iters=2, num_loras=[0], lora_rank=16
+        )
+        for r in bench.bench_latency(engine, seconds, args, None):
+            assert r["ttft_ms"] == pytest.approx(ttft if r["batch_size"] == 3 else 10.0)
+            assert r["tpot_ms"] == pytest.approx(10.0)

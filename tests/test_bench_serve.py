@@ -115,3 +115,29 @@ def test_bad_dataset_lines_exit_2(capsys, tmp_path, line, words):
     path.write_text('{"prompt": "ok"}\n' + line)
     assert main(["bench", "serve", "--dataset", str(path)]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_percentiles_and_summary_against_values_worked_by_hand():
+    from ostinato.bench_serve import Result, percentile, summarize
+
+    values = [10.0, 20.0, 30.0, 40.0, 50.0]
+    # rank (n - 1) * q / 100, linear between neighbours: p50 -> rank 2, p90 -> 3.6, p99 -> 3.96
+    assert percentile(values, 50) == 30.0
+    assert percentile(values, 90) == pytest.approx(46.0)
+    assert percentile(values, 99) == pytest.approx(49.6)
+    assert percentile(values, 0) == 10.0 and percentile(values, 100) == 50.0
+    assert percentile([7.0], 99) == 7.0
+    results = [
+        Result(token_times=[0.1, 0.2, 0.4], latency=0.4, output_tokens=3),
+        Result(token_times=[0.3], latency=0.3, output_tokens=1),
+        Result(error="HTTP 400: no"),
+    ]
+    r = summarize(results, seconds=2.0)
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (2, 1, 4)
+    assert r["request_throughput"] == 1.0 and r["output_tokens_per_s"] == 2.0
+    assert r["ttft_ms_mean"] == pytest.approx(200.0) and r["ttft_ms_p50"] == pytest.approx(200.0)
+    # TPOT only for requests of 2+ tokens: (0.4 - 0.1) / 2 = 150 ms
+    assert r["tpot_ms_mean"] == pytest.approx(150.0) and r["tpot_ms_p99"] == pytest.approx(150.0)
+    assert r["itl_ms_p50"] == pytest.approx(150.0)  # gaps of 100 and 200 ms
+    assert r["itl_ms_p90"] == pytest.approx(190.0)
+    assert r["e2e_ms_mean"] == pytest.approx(350.0) and r["errors"] == {"HTTP 400: no": 1}

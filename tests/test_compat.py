@@ -186,3 +186,26 @@ def test_cpu_runner_runs_eagerly_and_reports_why():
     assert report["decisions"][0]["rule"] == "cpu_device"
     assert report["steps"] == {"none": 1, "piecewise": 0, "full": 0}
     assert report["captured"] == {"full": [], "piecewise": []}
+
+
+def test_reasons_name_the_backend_and_both_modes_and_are_logged(caplog):
+    config = EngineConfig(device="cuda", attention_backend="torch", cuda_graph_mode="full")
+    resolution = resolve(config)
+    reason = resolution.as_dict()["decisions"][0]["reason"]
+    assert reason.startswith("attention backend 'torch' cannot run inside a CUDA graph, so full ")
+    assert "full becomes piecewise" in reason
+    assert resolution.as_dict()["requested_mode"] == "full"
+    assert resolution.as_dict()["cuda_graph_mode"] == "piecewise"
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        resolution.log()
+    decisions = resolution.as_dict()["decisions"]
+    assert caplog.messages == [
+        "cuda graph mode: piecewise (requested full)",
+        *(f"cuda graph rule {d['rule']}: {d['reason']}" for d in decisions),
+    ]
+    assert decisions[0]["rule"] == "backend_not_capturable"
+
+
+def test_the_cpu_reason_names_the_device():
+    (decision,) = resolve(EngineConfig(device="cpu")).decisions
+    assert decision.reason == "CUDA graphs need a CUDA device (device=cpu): every step runs eagerly"

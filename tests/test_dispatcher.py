@@ -146,3 +146,19 @@ def test_batch_descriptor_is_a_frozen_key():
     assert {key: 1}[BatchDescriptor(8, 8, 1)] == 1
     with pytest.raises(AttributeError):
         key.num_tokens = 9
+
+
+@pytest.mark.parametrize("mode", [M.FULL_AND_PIECEWISE, M.FULL])
+def test_every_key_carries_the_padded_adapter_count(mode):
+    """lora_counts (0, 1, 2, 4): 3 active adapters use the keys of 4, in every kind of key;
+    an eager batch keeps the real count; every count has its own keys to capture."""
+    d = dispatcher(mode, enable_lora=True, max_loras=4)
+    token_mode = mode.mixed_mode
+    decode = BatchDescriptor(8, 8, 1 if mode.separate_decode else None, 4)
+    assert d.dispatch(5, 5, 1, 3) == (FULL, decode)
+    expected = PW(8, 4) if token_mode is PIECEWISE else BatchDescriptor(8, 8, None, 4)
+    assert d.dispatch(5, 2, None, 3) == (token_mode, expected)
+    assert d.dispatch(1000, 2, None, 3) == (NONE, BatchDescriptor(1000, 2, None, 3))
+    keys = d.descriptors()
+    for kind in {FULL, token_mode}:
+        assert {k.num_active_loras for k in keys[kind]} == {0, 1, 2, 4}

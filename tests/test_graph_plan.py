@@ -121,3 +121,21 @@ def test_graph_memory_reserve_covers_the_largest_graph_and_every_graph():
     capped, m = reserve(max_capture_size=512)
     assert m == 20 + 28 and capped == 2 * gib // 16 + m * 4 * mib + 32 * mib
     assert graph_memory_reserve([], gib, 8192) == 0
+
+
+def test_an_override_keeps_a_size_equal_to_the_cap():
+    p = plan(capture_sizes=[4, 8, 64], max_num_seqs=8, max_capture_size=64)
+    assert p.token_sizes == (4, 8, 64) and p.decode_sizes == (4, 8)
+    assert p.max_num_seqs == 8
+
+
+@pytest.mark.parametrize(
+    ("max_loras", "counts"), [(1, (0, 1)), (4, (0, 1, 2, 4)), (5, (0, 1, 2, 4, 5))]
+)
+def test_lora_counts_are_zero_powers_of_two_and_max_loras(max_loras, counts):
+    p = plan(enable_lora=True, max_loras=max_loras)
+    assert p.lora_counts == counts
+    assert [p.pad_loras(n) for n in range(max_loras + 2)] == [
+        min(c for c in counts if c >= n) for n in range(max_loras + 1)
+    ] + [None]
+    assert plan(max_loras=max_loras).lora_counts == (0,)  # LoRA off: the base graphs only

@@ -19,12 +19,7 @@ from ostinato.kernels import (
 from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_normed_torch, gemv_pays, gemv_torch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from ostinato.kernels.paged_attention import (
-    Config,
-    causal_attention,
-    choose_config,
-    paged_attention_torch,
-)
+from ostinato.kernels.paged_attention import Config, choose_config, paged_attention_torch
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 # the package re-exports the function under the module's name, so reach the module itself
@@ -155,10 +150,26 @@ class Batch:
         for i, slots in enumerate(self.slots):
             if starts[i + 1] > starts[i]:
                 q = self.q[starts[i] : starts[i + 1]].double()
-                out[starts[i] : starts[i + 1]] = causal_attention(
+                out[starts[i] : starts[i + 1]] = attention_64(
                     q, flat_k[slots], flat_v[slots], scale
                 )
         return out
+
+
+def attention_64(q, k, v, scale):
+    """Written out, not the project's: q [n, H, D] are the last n of s positions with keys
+    k [s, KH, D]; query j sees positions up to s - n + j; head h reads KV head h // group."""
+    n, heads, _ = q.shape
+    s, group = k.shape[0], heads // k.shape[1]
+    out = torch.empty(n, heads, q.shape[2], dtype=torch.float64)
+    for h in range(heads):
+        kh, vh = k[:, h // group].double(), v[:, h // group].double()
+        for j in range(n):
+            seen = s - n + j + 1
+            scores = (kh[:seen] @ q[j, h].double()) * scale
+            weights = (scores - scores.max()).exp()
+            out[j, h] = (weights / weights.sum()) @ vh[:seen]
+    return out
 
 
 def make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, dtype, pad_tokens=0, block_size=16):

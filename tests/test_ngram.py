@@ -105,3 +105,25 @@ def test_proposer_agrees_with_a_full_search_however_seldom_it_is_asked():
             assert draft == propose(seq.token_ids, k=3, ngram_max=3), seq.request_id
             answers[bool(draft)] += 1
     assert min(answers.values()) > 100, answers  # drafts and none, both common
+
+
+def test_drafts_are_python_ints_and_the_state_is_kept_per_request():
+    proposer = NgramProposer(3, 1, 4)
+    seq = Sequence("r", [1, 2, 3, 1, 2], SamplingParams())
+    draft = proposer.propose(seq)
+    assert draft == [3, 1, 2] and all(type(t) is int for t in draft)
+    kept = proposer._contexts["r"]
+    seq.token_ids.append(3)
+    assert proposer.propose(seq) == [1, 2, 3]
+    assert proposer._contexts["r"] is kept and kept.filled == 6  # extended, not rebuilt
+    proposer.forget("r")
+    proposer.forget("never seen")  # forgetting an unknown request is not an error
+    assert "r" not in proposer._contexts
+
+
+def test_the_last_token_gate_looks_at_the_last_token_only():
+    from ostinato.speculative.ngram import _Context
+
+    assert not _Context().occurred_before_last([5, 6, 9])  # 6 occurred, but is not last
+    assert _Context().occurred_before_last([5, 6, 5])
+    assert not _Context().occurred_before_last([6, 5, 7, 5][:3])

@@ -56,3 +56,24 @@ def test_directory_without_a_tokenizer_raises_value_error(tmp_path):
         load_tokenizer(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_incremental_detokenizer_streams_exactly_the_decoded_text(kind, hf_dir):
+    """Token by token, the pieces join to the whole decode; a character cut in half is held
+    back (never a U+FFFD in the stream) until its last byte, or `final` flushes it."""
+    from ostinato.engine.detokenizer import IncrementalDetokenizer
+
+    tok = ByteTokenizer() if kind == "bytes" else HFTokenizer(str(hf_dir))
+    ids = tok.encode(TEXT)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.update(ids[: i + 1]) for i in range(len(ids))]
+    assert "".join(pieces) == detok.text == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+    if kind == "bytes":
+        cut = TEXT.encode().index("é".encode()) + 1  # ids up to the first byte of é
+        assert pieces[cut - 1] == "" and pieces[cut] == "é"
+        flushed = IncrementalDetokenizer(tok)
+        assert flushed.update(ids[:cut]) == ""  # the window ends mid-character: held back
+        assert flushed.update(ids[:cut], final=True) == "h\ufffd"  # the request ended there
+        assert flushed.text == "h\ufffd"

@@ -14,7 +14,6 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
-from ostinato.kernels.paged_attention import paged_attention_torch
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 pytestmark = pytest.mark.gpu
@@ -219,13 +218,26 @@ def attend(batch):
 
 
 def reference(batch):
-    """float32 attention by the torch reference, on float32 copies of the bf16 inputs."""
-    out = torch.full(batch["q"].shape, NAN, device="cuda")
-    paged_attention_torch(
-        batch["q"].float(), batch["k_cache"].float(), batch["v_cache"].float(), out,
-        batch["query_start_loc"], batch["seq_lens"], batch["block_table"],
-        batch["q"].shape[-1] ** -0.5,
-    )  # fmt: skip
+    """float64 attention written here (not the project's torch twin): each request's keys
+    gathered through its block table, query j of n seeing the first s - n + j + 1 positions,
+    head h reading KV head h // group."""
+    q, k_cache, v_cache = batch["q"], batch["k_cache"], batch["v_cache"]
+    out = torch.full(q.shape, NAN, device="cuda", dtype=torch.float64)
+    starts = batch["query_start_loc"].tolist()
+    group, scale = q.shape[1] // k_cache.shape[2], q.shape[-1] ** -0.5
+    for i, s in enumerate(batch["seq_lens"].tolist()):
+        a, b = starts[i], starts[i + 1]
+        if a == b:
+            continue
+        pos = torch.arange(s, device="cuda")
+        blocks = batch["block_table"][i, pos // BLOCK].long()
+        k, v = (
+            c[blocks, pos % BLOCK].double().repeat_interleave(group, 1) for c in (k_cache, v_cache)
+        )
+        scores = torch.einsum("nhd,shd->hns", q[a:b].double(), k) * scale
+        query_pos = torch.arange(s - (b - a), s, device="cuda")
+        scores.masked_fill_(pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[a:b] = torch.einsum("hns,shd->nhd", scores.softmax(dim=-1), v)
     return out
 
 

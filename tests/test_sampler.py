@@ -1,0 +1,149 @@
+"""The sampler against math written here: which tokens top-k and top-p keep (a brute-force loop
+in float64), the distribution temperature gives, logprob values, greedy and seeded rows."""
+
+import math
+
+import pytest
+import torch
+
+from ostinato.runner.sampler import SampledTokens, Sampler
+from ostinato.runner.step import SamplingRow
+from ostinato.sampling_params import SamplingParams
+
+
+def kept_by_loop(logits: list[float], top_k: int, top_p: float) -> set[int]:
+    """Tokens top-k then top-p keep, by hand: rank by logit, keep the first top_k, and of those
+    keep a token while the (renormalised) mass ranked above it is below top_p."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    if top_k > 0:
+        order = order[:top_k]
+    z = sum(math.exp(logits[i]) for i in order)
+    kept, above = set(), 0.0
+    for i in order:
+        if above < top_p:
+            kept.add(i)
+        above += math.exp(logits[i]) / z
+    return kept
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], position: int = 0):
+    rows = [SamplingRow(f"r{i}", p, position) for i, p in enumerate(params)]
+    return Sampler()(logits, rows)
+
+
+def test_the_nucleus_keeps_the_tokens_ranked_above_the_top_p_mass():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # ranked: 1 (0.5), 3 (0.3), 2 (0.15), 0
+    logits = probs.log()
+    n = 4000
+    torch.manual_seed(0)
+    out = sample(logits.repeat(n, 1), [SamplingParams(top_p=0.7)] * n).token_ids
+    counts = torch.bincount(torch.tensor([t[0] for t in out]), minlength=4)
+    assert counts[0] == counts[2] == 0  # 0.5 + 0.3 already cover 0.7
+    assert abs(counts[1] / n - 0.5 / 0.8) < 0.03  # kept tokens renormalised
+    torch.manual_seed(0)
+    out = sample(logits.repeat(n, 1), [SamplingParams(top_p=0.9)] * n).token_ids
+    counts = torch.bincount(torch.tensor([t[0] for t in out]), minlength=4)
+    assert counts[0] == 0 and counts[2] > 0  # 0.8 < 0.9: token 2 joins, token 0 does not
+
+
+def test_top_k_and_top_p_masks_match_a_brute_force_loop():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(24, 12, generator=gen, dtype=torch.float64).float() * 2
+    settings = [(k, p) for k in (-1, 1, 3, 7) for p in (1.0, 0.95, 0.6, 0.2, 0.05, 0.4)]
+    params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
+    rows = [SamplingRow(f"r{i}", p, 0) for i, p in enumerate(params)]
+    from ostinato.runner.sampler import _top_k_top_p
+
+    masked = _top_k_top_p(logits, rows)
+    for i, (k, p) in enumerate(settings):
+        expected = kept_by_loop(logits[i].double().tolist(), k, p)
+        kept = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
+        assert kept == expected, (k, p)
+        assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])  # values untouched
+
+
+def test_sampled_frequencies_follow_softmax_of_logits_over_temperature():
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
+    n = 20_000
+    for temperature in (0.5, 2.0):
+        torch.manual_seed(1)
+        out = sample(logits.repeat(n, 1), [SamplingParams(temperature=temperature)] * n)
+        counts = torch.bincount(torch.tensor([t[0] for t in out.token_ids]), minlength=4)
+        expected = [math.exp(x / temperature) for x in logits.tolist()]
+        for c, e in zip(counts.tolist(), expected, strict=True):
+            assert abs(c / n - e / sum(expected)) < 0.015, (temperature, counts)
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(40, 30, generator=gen)
+    params = [SamplingParams(temperature=0.0) if i % 2 else SamplingParams() for i in range(40)]
+    torch.manual_seed(0)
+    out = sample(logits, params).token_ids
+    best = logits.argmax(dim=-1).tolist()
+    assert all(out[i] == [best[i]] for i in range(1, 40, 2))
+    assert any(out[i] != [best[i]] for i in range(0, 40, 2))  # temperature 1 samples
+
+
+def test_a_temperature_scales_only_its_own_row():
+    """Row 0 at temperature 100 is near uniform; row 1 at 0.01 is near greedy in the same batch."""
+    logits = torch.tensor([[3.0, 0.0, 0.0, 0.0]]).repeat(2000, 1)
+    params = [SamplingParams(temperature=100.0), SamplingParams(temperature=0.01)] * 1000
+    torch.manual_seed(3)
+    out = [t[0] for t in sample(logits, params).token_ids]
+    assert all(t == 0 for t in out[1::2])
+    assert sum(t != 0 for t in out[0::2]) > 600  # about 3/4 of 1000
+
+
+def test_logprob_values_are_the_log_softmax_of_the_logits():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 20, generator=gen, dtype=torch.float64)
+    reference = logits - logits.exp().sum(dim=-1, keepdim=True).log()  # float64, by hand
+    params = [SamplingParams(logprobs=3, seed=9), SamplingParams(), SamplingParams(logprobs=0)]
+    out = sample(logits.float(), params)
+    assert out.logprobs[1] is None
+    for i, n in ((0, 3), (2, 0)):
+        token = out.token_ids[i][0]
+        (entry,) = out.logprobs[i]
+        top = reference[i].argsort(descending=True)[:n].tolist()
+        assert set(entry) == set(top) | {token}
+        for t, value in entry.items():
+            assert value == pytest.approx(float(reference[i, t]), abs=1e-5)
+
+
+def test_logprobs_asked_by_one_request_only_cover_its_own_rows():
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=1)]
+    params.append(SamplingParams(temperature=0.0, logprobs=4))
+    out = sample(logits, params)
+    assert out.logprobs[0] is None
+    assert len(out.logprobs[1][0]) == 1 and len(out.logprobs[2][0]) == 4
+    expected = logits.log_softmax(dim=-1)
+    for i in (1, 2):
+        (entry,) = out.logprobs[i]
+        assert max(entry, key=entry.get) == int(logits[i].argmax())
+        assert entry[int(logits[i].argmax())] == pytest.approx(float(expected[i].max()), abs=1e-6)
+
+
+def test_a_seeded_row_depends_on_its_seed_and_position_only():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 50, generator=gen)
+    seeded = SamplingParams(seed=11)
+    alone = sample(logits, [seeded], position=5).token_ids[0]
+    torch.manual_seed(123)  # the unseeded rows' noise changes; the seeded row's must not
+    crowd = sample(logits.repeat(6, 1), [SamplingParams()] * 5 + [seeded], position=5).token_ids
+    assert crowd[5] == alone
+    by_position = {tuple(sample(logits, [seeded], position=p).token_ids[0]) for p in range(30)}
+    by_seed = {
+        tuple(sample(logits, [SamplingParams(seed=s)], position=5).token_ids[0]) for s in range(30)
+    }
+    assert len(by_position) > 5 and len(by_seed) > 5
+
+
+def test_launch_returns_device_tokens_before_the_host_result():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [4.0, 0.0, 1.0]])
+    rows = [SamplingRow("a", SamplingParams(temperature=0.0), 0)] * 2
+    pending = Sampler().launch(logits, rows)
+    assert isinstance(pending, SampledTokens)
+    assert pending.tokens.tolist() == [1, 0]
+    assert pending.result().token_ids == [[1], [0]]
