@@ -22,6 +22,7 @@ from ostinato.config import EngineConfig
 from ostinato.layers.weights import full_shape, loader_of
 from ostinato.models.llama import TIED
 from ostinato.models.registry import get_model_class
+from ostinato.quantization import checkpoint_quantization
 
 _QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -133,9 +134,14 @@ def load_hf_config(model: str) -> PretrainedConfig:
     if not (path / "config.json").is_file():
         raise ValueError(f"{model!r} has no config.json: it is not a Hugging Face model directory")
     try:
-        return AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
+    try:
+        checkpoint_quantization(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
+    return hf_config
 
 
 def build_model(
