@@ -241,8 +241,10 @@ def _tensor_split_problems(hf_config, tp_size: int) -> list[str]:
         problems.append(f"its {heads} attention heads")
     if kv_heads % tp_size and tp_size % kv_heads:
         problems.append(f"its {kv_heads} KV heads (nor is it a multiple of them)")
-    if hf_config.intermediate_size % tp_size:
-        problems.append(f"its intermediate_size {hf_config.intermediate_size}")
+    for name in ("intermediate_size", "moe_intermediate_size"):  # the experts' features too
+        size = getattr(hf_config, name, None)
+        if size is not None and size % tp_size:
+            problems.append(f"its {name} {size}")
     return problems
 
 

@@ -66,6 +66,23 @@ _LLAMA_3_1_8B = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+_QWEN3_30B_A3B = {
+    **_QWEN3_0_6B,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
 PRESETS: dict[str, dict] = {
     # Qwen3-shaped and small enough for a CPU; its vocabulary covers the byte tokenizer
     "tiny": {
@@ -108,6 +125,43 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True,
     },
     "llama-3.1-8b": _LLAMA_3_1_8B,
+    # Qwen3-MoE-shaped and small enough for a CPU: 8 experts, 2 per token
+    "tiny-moe": {
+        **_QWEN3_30B_A3B,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 384,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 _SHOW_PROGRESS_BYTES = 2**30
 
