@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
+#   bash benchmarks/gpu_session.sh moe      # MoE/FP8 GPU tests, then decode of an MoE preset
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -55,6 +56,18 @@ async)  # MODEL: decode latency with async scheduling on and off, side by side i
     --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 --async-scheduling on,off \
     --cuda-graph-mode "${MODES:-none,piecewise,full_and_piecewise}" 2>>"$OUT/bench.err" | tee -a "$OUT/async-latency.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
+  ;;
+moe)  # tests/gpu/test_moe.py (+ test_fp8.py when present), then, if they pass, batch 1 and 32
+  # decode of MOE_MODEL (default random:qwen3-30b-a3b), eager vs graphs; about 2 minutes
+  info | tee "$OUT/env.txt"
+  tests=(tests/gpu/test_moe.py)
+  [ -f tests/gpu/test_fp8.py ] && tests+=(tests/gpu/test_fp8.py)
+  if python3 -m pytest "${tests[@]}" --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/moe-tests.log"; then
+    timeout "${MOE_BENCH_S:-80}" python3 -m ostinato.cli bench latency --model "${MOE_MODEL:-random:qwen3-30b-a3b}" --json \
+      --batch-size 1,32 --input-len 128 --output-len 32 --iters 2 --max-model-len 1024 \
+      --cuda-graph-mode none,full_and_piecewise ${MOE_FLAGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/moe-latency.jsonl"
+    grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn|traceback" | tail -n 15
+  fi
   ;;
 parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 on one machine
   info | tee "$OUT/env.txt"

@@ -1,0 +1,49 @@
+"""On the GPU: the fused MoE kernel against float64 math, and both MoE models (reduced sizes) in
+every graph mode against eager, the graph checker on."""
+
+import gc
+
+import pytest
+import torch
+from helpers import make_hf_checkpoint
+from oracle import MODES, engine, mixed_workload
+from test_moe_kernels import problem, reference
+
+from ostinato.kernels.moe import fused_moe
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def checkpoint(request, tmp_path_factory):
+    return make_hf_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens, padded", [(1, 0), (7, 3), (300, 10)])
+def test_fused_moe_kernel_equals_float64_math(dtype, tol, tokens, padded):
+    x, w13, w2, ids, weights = problem(tokens, 16, 4, 256, 96, padded=padded)
+    want = reference(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
+    args = (t.cuda() for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights))
+    got = fused_moe(*args).double().cpu()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_every_mode_matches_eager_token_for_token(checkpoint):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference_tokens = mixed_workload(engine(checkpoint, "none"))
+    for mode in MODES[1:]:
+        llm = engine(checkpoint, mode, check_graphs=1)
+        assert mixed_workload(llm) == reference_tokens, mode
+        steps = llm.graph_report()["steps"]
+        if mode in ("full", "full_decode_only", "full_and_piecewise"):
+            assert steps["full"] > 0, steps
+        del llm
+        gc.collect()
+
+
+def test_bfloat16_graph_checker_passes(checkpoint):
+    llm = engine(checkpoint, "full_and_piecewise", dtype="bfloat16", check_graphs=1)
+    mixed_workload(llm)  # raises if a graphed step's logits leave eager's
+    steps = llm.graph_report()["steps"]
+    assert steps["full"] > 0 and steps["piecewise"] > 0, steps
