@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ostinato.layout import stage_layers
+from ostinato.quantization import QUANTIZATIONS
 
 DTYPES = {
     "float32": torch.float32,
@@ -69,6 +70,8 @@ class EngineConfig:
     # schedule and launch the next step while the device runs this one; None: on wherever it
     # works (CUDA, one process)
     async_scheduling: bool | None = None
+    # "fp8": quantise a bf16 checkpoint's linear weights at load (FP8 checkpoints need nothing)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -120,6 +123,10 @@ class EngineConfig:
                     f"pipeline_parallel_size={self.pipeline_parallel_size}: give one layer "
                     "count per stage"
                 )
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}: choose one of {QUANTIZATIONS} or None"
+            )
         self._check_lora()
         if not self.distributed_timeout > 0:
             raise ValueError(

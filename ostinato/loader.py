@@ -22,7 +22,12 @@ from ostinato.config import EngineConfig
 from ostinato.layers.weights import full_shape, loader_of
 from ostinato.models.llama import TIED
 from ostinato.models.registry import get_model_class
-from ostinato.quantization import checkpoint_quantization
+from ostinato.quantization import (
+    QuantSpec,
+    building,
+    checkpoint_quantization,
+    resolve_quantization,
+)
 
 _QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -203,14 +208,16 @@ def build_model(
     device: str | torch.device,
     dtype: torch.dtype,
     layer_range: tuple[int, int] | None = None,
+    quantization: QuantSpec | None = None,
 ) -> nn.Module:
     """The model with uninitialised parameters, allocated directly on `device` in `dtype`
-    (no CPU copy, no init kernels; 'meta' gives shapes only)."""
+    (no CPU copy, no init kernels; 'meta' gives shapes only), its linear layers holding their
+    weights as `quantization` says."""
     cls = get_model_class(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building(quantization):
             model = cls(hf_config, layer_range)
     finally:
         torch.set_default_dtype(previous)
@@ -222,8 +229,14 @@ def load_model(
     config: EngineConfig, hf_config: PretrainedConfig, layer_range: tuple[int, int] | None = None
 ) -> nn.Module:
     """The model for `config.model` with its weights: from the directory's safetensors, or
-    seeded random ones for presets."""
-    model = build_model(hf_config, config.device, config.torch_dtype, layer_range)
+    seeded random ones for presets; quantised as the checkpoint or config.quantization says."""
+    spec = resolve_quantization(config.quantization, hf_config)
+    if spec is not None and config.enable_lora:
+        raise ValueError(
+            f"{config.model}: enable_lora does not work with fp8 weights yet (adapters wrap "
+            "plain projections); drop --enable-lora or use the bf16 checkpoint"
+        )
+    model = build_model(hf_config, config.device, config.torch_dtype, layer_range, spec)
     if is_random(config.model):
         init_random_weights(model, config.seed)
     else:
@@ -231,7 +244,15 @@ def load_model(
             model.load_weights(iter_checkpoint(Path(config.model)))
         except ValueError as e:
             raise ValueError(f"{config.model}: {e}") from None
+    finish_loading(model)
     return model
+
+
+def finish_loading(model: nn.Module) -> None:
+    """What a layer does once its weights are in (FP8 at load quantises them)."""
+    for module in model.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
 
 
 def init_random_weights(model: nn.Module, seed: int) -> None:
