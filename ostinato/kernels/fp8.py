@@ -4,8 +4,9 @@
 Small batches (decode) are bound by reading the weights: a Triton GEMV reads the FP8 bytes and
 scales them in registers, x stays in the model dtype (weight-only: as exact as the dequantised
 reference up to the order of the sum). Larger batches: per-row scales go through
-torch._scaled_mm (x quantised per token to FP8, dynamic scales); block scales through a Triton
-GEMM that scales each tile. On the CPU: dequantise, then the same matmul, so CI tests the math.
+torch._scaled_mm (x quantised per token to FP8, dynamic scales; bfloat16 models, float32 ones
+dequantise); block scales through a Triton GEMM that scales each tile. On the CPU: dequantise,
+then the same matmul, so CI tests the math.
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ def fp8_linear(
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """x @ dequantize(w, scale, block).T (+ bias) -> [M, N] in x's dtype."""
-    if not use_triton(x):
+    big = x.shape[0] > GEMV_ROWS
+    if not use_triton(x) or (big and block is None and x.dtype != torch.bfloat16):
+        # the CPU; or a float32 model (tests): _scaled_mm's per-row scales give bfloat16 only
         return F.linear(x, dequantize(w, scale, block).to(x.dtype), bias)
-    if block is not None and x.shape[0] > GEMV_ROWS:
+    if big and block is not None:
         y = _gemm(x, w, scale, block)
-    elif block is None and x.shape[0] > GEMV_ROWS and x.is_cuda:
+    elif big and x.is_cuda:
         y = _scaled_mm(x, w, scale)
     else:  # the interpreter has no _scaled_mm
         y = _gemv(x, w, scale, block)

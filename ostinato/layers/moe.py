@@ -43,9 +43,11 @@ class FusedMoE(nn.Module):
     [E, H, I_rank]. Checkpoint shards: w13's 2e is expert e's gate_proj, 2e + 1 its up_proj;
     w2's e is its down_proj; shard None: the whole stacked tensor."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int
+    ) -> None:
         super().__init__()
-        self.tp = tp_group()
+        self.tp, self.top_k = tp_group(), top_k
         share = rank_share(intermediate_size, self.tp.rank, self.tp.size)
         self.rows = slice(share.start, share.stop)
         inter = len(share)
@@ -98,7 +100,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.gate.weight.requires_grad_(False)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size)
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
