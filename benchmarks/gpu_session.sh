@@ -12,7 +12,7 @@
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
-#   bash benchmarks/gpu_session.sh moe      # MoE/FP8 GPU tests, then decode of an MoE preset
+#   bash benchmarks/gpu_session.sh moe [M]  # MoE and FP8 GPU tests, then M's decode, bf16 vs fp8
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -57,15 +57,18 @@ async)  # MODEL: decode latency with async scheduling on and off, side by side i
     --cuda-graph-mode "${MODES:-none,piecewise,full_and_piecewise}" 2>>"$OUT/bench.err" | tee -a "$OUT/async-latency.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
   ;;
-moe)  # tests/gpu/test_moe.py (+ test_fp8.py when present), then, if they pass, batch 1 and 32
-  # decode of MOE_MODEL (default random:qwen3-30b-a3b), eager vs graphs; about 2 minutes
+moe)  # tests/gpu/test_moe.py and test_fp8.py, then, if they pass, decode of MODEL (default
+  # random:llama-3.1-8b) in bf16 and with --quantization fp8 at batch 1 and 32; about 2 minutes
+  model=${2:-random:llama-3.1-8b}
   info | tee "$OUT/env.txt"
-  tests=(tests/gpu/test_moe.py)
-  [ -f tests/gpu/test_fp8.py ] && tests+=(tests/gpu/test_fp8.py)
-  if python3 -m pytest "${tests[@]}" --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/moe-tests.log"; then
-    timeout "${MOE_BENCH_S:-80}" python3 -m ostinato.cli bench latency --model "${MOE_MODEL:-random:qwen3-30b-a3b}" --json \
-      --batch-size 1,32 --input-len 128 --output-len 32 --iters 2 --max-model-len 1024 \
-      --cuda-graph-mode none,full_and_piecewise ${MOE_FLAGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/moe-latency.jsonl"
+  if timeout 150 python3 -m pytest tests/gpu/test_moe.py tests/gpu/test_fp8.py --maxfail=6 -q \
+      -p no:cacheprovider -o addopts="" -rs --durations=8 2>&1 | tee "$OUT/moe-tests.log"; then  # pipefail: pytest's status
+    for quant in "" "--quantization fp8"; do
+      # shellcheck disable=SC2086  # $quant is two words or none
+      timeout 60 python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,32 \
+        --input-len 128 --output-len 32 --iters 2 --max-model-len 1024 --capture-sizes 1,2,4,8,16,32 \
+        --cuda-graph-mode full_and_piecewise $quant 2>>"$OUT/bench.err" | tee -a "$OUT/fp8-latency.jsonl"
+    done
     grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn|traceback" | tail -n 15
   fi
   ;;

@@ -77,4 +77,5 @@ def test_fp8_at_load_every_mode_matches_eager(checkpoint, dtype):
 
 
 def test_block_wise_fp8_checkpoint_every_mode_matches_eager(fp8_pair):  # noqa: F811
+    """float32, tokens equal: the GEMV and the tiled block GEMM."""
     every_mode_equals_eager(fp8_pair[0])
