@@ -160,6 +160,6 @@ def _gemm(x, w, scale, block):
     _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x, w, scale, y, m, n, k, x.stride(0), w.stride(0), scale.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1], BLOCK_SN=block[0],
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_options(),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_stages=2, **pdl_options(),
     )  # fmt: skip
     return y

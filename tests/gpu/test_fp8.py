@@ -35,7 +35,7 @@ def test_fp8_linear_equals_float64_math(rows, blockwise):
     else:  # _scaled_mm: activations rounded to FP8 per token as well
         torch.testing.assert_close(got, want, rtol=0.1, atol=0.03 * size)
         cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
-        assert cos > 0.999
+        assert cos > 0.998
 
 
 def test_fp8_linear_is_capturable_and_replays_equal():
