@@ -58,14 +58,15 @@ async)  # MODEL: decode latency with async scheduling on and off, side by side i
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
   ;;
 moe)  # tests/gpu/test_moe.py and test_fp8.py, then, if they pass, decode of MODEL (default
-  # random:llama-3.1-8b) in bf16 and with --quantization fp8 at batch 1 and 32; about 2 minutes
+  # random:llama-3.1-8b) in bf16 and with --quantization fp8 at batch 1 and 32; about 2 minutes,
+  # at most MOE_TESTS_S + 2 * MOE_BENCH_S seconds (90 + 2 * 40)
   model=${2:-random:llama-3.1-8b}
   info | tee "$OUT/env.txt"
-  if timeout 150 python3 -m pytest tests/gpu/test_moe.py tests/gpu/test_fp8.py --maxfail=6 -q \
-      -p no:cacheprovider -o addopts="" -rs --durations=8 2>&1 | tee "$OUT/moe-tests.log"; then  # pipefail: pytest's status
+  if timeout "${MOE_TESTS_S:-90}" python3 -m pytest tests/gpu/test_moe.py tests/gpu/test_fp8.py \
+      --maxfail=6 -v -p no:cacheprovider -o addopts="" -rs --durations=8 2>&1 | tee "$OUT/moe-tests.log"; then  # pipefail: pytest's status
     for quant in "" "--quantization fp8"; do
       # shellcheck disable=SC2086  # $quant is two words or none
-      timeout 60 python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,32 \
+      timeout "${MOE_BENCH_S:-40}" python3 -m ostinato.cli bench latency --model "$model" --json --batch-size 1,32 \
         --input-len 128 --output-len 32 --iters 2 --max-model-len 1024 --capture-sizes 1,2,4,8,16,32 \
         --cuda-graph-mode full_and_piecewise $quant 2>>"$OUT/bench.err" | tee -a "$OUT/fp8-latency.jsonl"
     done
