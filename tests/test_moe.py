@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import make_hf_checkpoint
 from oracle import hf_greedy, hf_model, oracle_prompts, run_ostinato
-from test_tensor_parallel import fill, on_ranks, run_ranks  # noqa: F401 (a fixture)
+from test_tensor_parallel import fill, on_ranks, run, run_ranks  # noqa: F401 (a fixture)
 
 from ostinato import LLM, SamplingParams
 from ostinato.config import EngineConfig
@@ -83,3 +83,33 @@ def test_the_checkpoint_names_every_missing_expert(moe_checkpoint, tmp_path):
         from ostinato.loader import iter_checkpoint
 
         model.load_weights(iter_checkpoint(tmp_path))
+
+
+def test_two_tensor_ranks_over_gloo_generate_what_one_process_does(moe_checkpoint):
+    prompts = oracle_prompts(300)[:4]
+    want, _ = run(str(moe_checkpoint), prompts)
+    got, ranks = run(str(moe_checkpoint), prompts, tensor_parallel_size=2)
+    assert got == want
+    assert [r[1] for r in ranks] == [0, 1]
+
+
+def test_padded_tokens_route_to_no_expert_and_add_nothing():
+    from ostinato.context import AttentionMetadata, ForwardContext, forward_context
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(16, num_experts=4, top_k=2, intermediate_size=8, renormalize=False)
+    for p in block.parameters():
+        p.normal_()
+    x = torch.randn(5, 16)
+    slots = torch.tensor([3, 4, 9, -1, -1])  # two padded tokens
+    meta = AttentionMetadata(5, 1, *(torch.zeros(1, dtype=torch.int32),) * 3, slots,
+                             torch.zeros(1), torch.zeros(1))  # fmt: skip
+
+    class Backend:
+        def plan(self, meta):
+            return None
+
+    with forward_context(ForwardContext(meta, [], Backend())):
+        out = block(x)
+    assert out[3:].abs().max() == 0
+    torch.testing.assert_close(out[:3], block(x[:3]))  # outside a step: every token routes
