@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
 #   bash benchmarks/gpu_session.sh moe [M]  # MoE and FP8 GPU tests, then M's decode, bf16 vs fp8
+#   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -72,6 +73,25 @@ moe)  # tests/gpu/test_moe.py and test_fp8.py, then, if they pass, decode of MOD
     done
     grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn|traceback" | tail -n 15
   fi
+  ;;
+moe-bench)  # issue 21's targets, side by side: llama-3.1-8b bf16 vs --quantization fp8 (decode
+  # at batch 1 and 32 against its floor, token agreement and logits cosine), then
+  # qwen3-30b-a3b decode eager vs graphs at batch 1 and 32 and its start-up; about 6 minutes
+  info | tee "$OUT/env.txt"
+  for quant in "" "--quantization fp8"; do
+    # shellcheck disable=SC2086  # $quant is two words or none
+    python3 -m ostinato.cli bench latency --model random:llama-3.1-8b --json --batch-size 1,32 \
+      --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
+      --cuda-graph-mode full_and_piecewise $quant 2>>"$OUT/bench.err" | tee -a "$OUT/fp8-latency.jsonl"
+  done
+  python3 benchmarks/fp8_agreement.py --model random:llama-3.1-8b --prompts 32 --tokens 64 \
+    2>>"$OUT/bench.err" | tee "$OUT/fp8-agreement.jsonl"
+  python3 -m ostinato.cli bench latency --model random:qwen3-30b-a3b --json --batch-size 1,32 \
+    --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
+    --cuda-graph-mode none,full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/moe-latency.jsonl"
+  python3 -m ostinato.cli bench startup --model random:qwen3-30b-a3b --json --max-model-len 2048 \
+    2>>"$OUT/bench.err" | tee -a "$OUT/moe-startup.jsonl"
+  grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn|traceback" | tail -n 15
   ;;
 parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 on one machine
   info | tee "$OUT/env.txt"
