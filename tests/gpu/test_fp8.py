@@ -9,7 +9,7 @@ from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
 from test_quantization import float64_linear, fp8_pair, quantize_blocks  # noqa: F401 (fixture)
 
-from ostinato.kernels.fp8 import fp8_linear, quantize_rows
+from ostinato.kernels.fp8 import fp8_linear, quantize_rows, quantize_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +36,16 @@ def test_fp8_linear_equals_float64_math(rows, blockwise):
         torch.testing.assert_close(got, want, rtol=0.1, atol=0.03 * size)
         cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
         assert cos > 0.998
+
+
+def test_per_token_fp8_activations_in_one_kernel_equal_their_definition():
+    """(On the GPU: the interpreter rounds float32 to FP8 wrongly at binade boundaries.)"""
+    x = torch.randn(5, 14336) * torch.logspace(-3, 2, 5)[:, None]
+    q, scale = quantize_tokens(x.bfloat16().cuda())
+    want_scale = x.bfloat16().float().abs().amax(1, keepdim=True) / 448.0
+    torch.testing.assert_close(scale.cpu(), want_scale)
+    want = (x.bfloat16().float() / want_scale).to(torch.float8_e4m3fn)
+    torch.testing.assert_close(q.float().cpu(), want.float(), rtol=0, atol=0)
 
 
 def test_fp8_linear_is_capturable_and_replays_equal():
