@@ -4,7 +4,7 @@ written here: each token's top-k experts, weighted and summed; choices to -1 add
 import pytest
 import torch
 
-from ostinato.kernels.moe import align, fused_moe, fused_moe_torch
+from ostinato.kernels.moe import align, align_torch, fused_moe, fused_moe_torch
 
 
 def reference(x, w13, w2, ids, weights):
@@ -54,9 +54,14 @@ def test_fused_moe_equals_float64_math(monkeypatch, kernel, tokens, experts, top
         assert got[tokens - padded :].abs().max() == 0
 
 
-def test_align_puts_each_pair_in_a_block_of_its_expert_and_padding_nowhere():
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_align_puts_each_pair_in_a_block_of_its_expert_and_padding_nowhere(monkeypatch, kernel):
     ids = torch.tensor([[3, 0], [3, -1], [0, 3], [-1, -1], [2, 3]], dtype=torch.int32)
-    sorted_ids, block_experts = align(ids, num_experts=5, block_m=4)
+    if kernel == "triton":  # one program sorts a decode batch's pairs
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        sorted_ids, block_experts = align(ids, num_experts=5, block_m=4)
+    else:
+        sorted_ids, block_experts = align_torch(ids, 5, 4, 3 + 5)
     pairs = ids.numel()
     flat = ids.flatten()
     seen = []
@@ -72,3 +77,16 @@ def test_align_puts_each_pair_in_a_block_of_its_expert_and_padding_nowhere():
     # bound on blocks from T * K alone: ceil(10 / 4) + min(5, 10)
     assert block_experts.shape == (3 + 5,)
     assert block_experts.tolist()[:3] == [0, 2, 3]
+
+
+def test_the_one_program_align_equals_the_torch_one(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    for tokens, experts, top_k in ((1, 128, 8), (32, 128, 8), (7, 8, 2), (40, 60, 4)):
+        ids = torch.rand(tokens, experts, generator=g).topk(top_k, -1).indices.to(torch.int32)
+        ids[-1, :] = -1
+        blocks = -(-ids.numel() // 16) + min(experts, ids.numel())
+        want = align_torch(ids, experts, 16, blocks)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        got = align(ids, experts)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -46,16 +46,27 @@ def fused_moe_torch(x, w13, w2, topk_ids, topk_weights):
     return out.to(x.dtype)
 
 
+FUSED_ALIGN_PAIRS = 256  # up to here (decode batches) one Triton program sorts the pairs
+FUSED_ALIGN_EXPERTS = 256
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """Pairs sorted by expert, each expert's run padded to whole blocks.
 
     Returns sorted_ids (int32 [blocks * block_m]: flat pair index t * K + k, or T * K in
     padding) and block_experts (int32 [blocks]: the expert of each block, -1 for blocks past
     the last). `blocks` bounds every routing (each active expert wastes under one block), so
-    the shapes depend on T * K alone."""
+    the shapes depend on T * K alone. Pairs of one expert keep their order."""
+    n = topk_ids.numel()
+    blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    if use_triton(topk_ids) and n <= FUSED_ALIGN_PAIRS and num_experts <= FUSED_ALIGN_EXPERTS:
+        return _align_triton(topk_ids, num_experts, block_m, blocks)
+    return align_torch(topk_ids, num_experts, block_m, blocks)
+
+
+def align_torch(topk_ids, num_experts, block_m, blocks):
     flat = topk_ids.flatten().long()
     n, device = flat.numel(), flat.device
-    blocks = triton.cdiv(n, block_m) + min(num_experts, n)
     size = blocks * block_m
     key = torch.where(flat >= 0, flat, num_experts)  # choices to nowhere sort last
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
@@ -73,6 +84,54 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     expert = torch.searchsorted(ends, block_starts, right=True)
     block_experts = torch.where(expert < num_experts, expert, -1).to(torch.int32)
     return sorted_ids[:size], block_experts
+
+
+@jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, experts_ptr, n, E, num_blocks,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+    FILL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """align() in one program: counts per expert, each pair's rank among its expert's pairs
+    (a running count down the one-hot matrix), its slot, then each block's expert."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    i = tl.arange(0, BLOCK_N)
+    e = tl.load(ids_ptr + i, mask=i < n, other=-1)
+    live = (i < n) & (e >= 0)
+    ex = tl.arange(0, BLOCK_E)
+    onehot = ((e[:, None] == ex[None, :]) & live[:, None]).to(tl.int32)
+    counts = tl.sum(onehot, axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    mine = ex[None, :] == e[:, None]
+    rank = tl.sum(tl.where(mine, tl.cumsum(onehot, axis=0), 0), axis=1) - 1
+    dest = tl.sum(tl.where(mine, starts[None, :], 0), axis=1) + rank
+    for c in tl.static_range(0, FILL, BLOCK_N):
+        slot = c + i
+        tl.store(sorted_ptr + slot, tl.zeros([BLOCK_N], tl.int32) + n, mask=slot < FILL)
+    tl.debug_barrier()  # the padding is written before the pairs land on it
+    tl.store(sorted_ptr + dest, i, mask=live)
+    b = tl.arange(0, BLOCK_B)
+    before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & (ex[None, :] < E)
+    expert = tl.sum(before.to(tl.int32), axis=1)
+    tl.store(experts_ptr + b, tl.where(expert < E, expert, -1), mask=b < num_blocks)
+
+
+def _align_triton(topk_ids, num_experts, block_m, blocks):
+    n, device = topk_ids.numel(), topk_ids.device
+    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_experts = torch.empty(blocks, dtype=torch.int32, device=device)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_experts, n, num_experts, blocks,
+        BLOCK_N=max(16, triton.next_power_of_2(n)),
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        BLOCK_B=max(16, triton.next_power_of_2(blocks)), BLOCK_M=block_m,
+        FILL=blocks * block_m, num_warps=8, **pdl_options(),
+    )  # fmt: skip
+    return sorted_ids, block_experts
 
 
 @jit

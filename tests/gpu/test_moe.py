@@ -9,7 +9,7 @@ from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
 from test_moe_kernels import problem, reference
 
-from ostinato.kernels.moe import fused_moe
+from ostinato.kernels.moe import align, align_torch, fused_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -27,6 +27,16 @@ def test_fused_moe_kernel_equals_float64_math(dtype, tol, tokens, padded):
     args = (t.cuda() for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights))
     got = fused_moe(*args).double().cpu()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 128, 8), (32, 128, 8), (5, 8, 2)])
+def test_the_one_program_align_equals_the_torch_one(tokens, experts, top_k):
+    ids = torch.rand(tokens, experts).topk(top_k, -1).indices.to(torch.int32).cuda()
+    ids[-1, :] = -1
+    blocks = -(-ids.numel() // 16) + min(experts, ids.numel())
+    want = align_torch(ids, experts, 16, blocks)
+    got = align(ids, experts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_every_mode_matches_eager_token_for_token(checkpoint):
