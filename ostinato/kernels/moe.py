@@ -20,6 +20,76 @@ from ostinato.kernels.dispatch import jit, pdl_options, use_triton
 BLOCK_M = 16  # pairs per block: tl.dot's smallest tile
 
 
+def route(
+    logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+    slots: torch.Tensor | None = None,  # [T] KV slots: a token with slot -1 is padding
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the top k, renormalised to sum to one if asked ->
+    (weights float32, ids int32) [T, K]; padded tokens choose expert -1 (nowhere)."""
+    if use_triton(logits) and logits.shape[-1] <= 1024:
+        return _route_triton(logits, top_k, renormalize, slots)
+    return route_torch(logits, top_k, renormalize, slots)
+
+
+def route_torch(logits, top_k, renormalize, slots=None):
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    ids = ids.to(torch.int32)
+    return weights, ids if slots is None else ids.masked_fill(slots[:, None] < 0, -1)
+
+
+@jit
+def _route_kernel(
+    logits_ptr, slots_ptr, w_ptr, ids_ptr, E, stride_l,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One token: softmax, then the largest probability TOP_K times (the lowest expert on a
+    tie), each taken out before the next."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    logit = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=-float("inf")).to(tl.float32)
+    p = tl.where(ok, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
+    p = p / tl.sum(p, axis=0)
+    k = tl.arange(0, K_P2)
+    weights = tl.zeros([K_P2], tl.float32)
+    ids = tl.zeros([K_P2], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=0)
+        pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+        weights = tl.where(k == j, best, weights)
+        ids = tl.where(k == j, pick, ids)
+        p = tl.where(e == pick, -1.0, p)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    if HAS_SLOTS:
+        ids = tl.where(tl.load(slots_ptr + t) < 0, -1, ids)
+    tl.store(w_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+
+
+def _route_triton(logits, top_k, renormalize, slots):
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            logits, logits if slots is None else slots, weights, ids, experts, logits.stride(0),
+            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
+            BLOCK_E=triton.next_power_of_2(experts), RENORM=renormalize,
+            HAS_SLOTS=slots is not None, **pdl_options(),
+        )  # fmt: skip
+    return weights, ids
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]: each expert's gate rows, then its up rows

@@ -1,5 +1,6 @@
-"""A sparse mixture-of-experts block: a router picks each token's top-k experts on the device,
-the fused kernel (kernels/moe.py) runs their SiLU MLPs.
+"""A sparse mixture-of-experts block: a router picks each token's top-k experts on the device
+(softmax, top-k, renormalised as the model defines it), the fused kernel (kernels/moe.py) runs
+their SiLU MLPs.
 
 Under tensor parallelism every rank holds every expert and its share of each expert's
 intermediate features (gate|up rows and down columns, as a dense MLP splits them): each rank's
@@ -14,28 +15,18 @@ from torch import nn
 
 from ostinato.context import current_forward_context
 from ostinato.distributed.parallel import tp_group
-from ostinato.kernels.moe import fused_moe
+from ostinato.kernels.moe import fused_moe, route
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, the top k, renormalised to sum to one if asked
-    (Mixtral always; Qwen3-MoE per norm_topk_prob) -> (weights float32, ids int32) [T, K]."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-
-def drop_padding(ids: torch.Tensor) -> torch.Tensor:
-    """Tokens with no KV slot (a graph's padding) choose expert -1: nowhere."""
+def padding_slots(num_tokens: int) -> torch.Tensor | None:
+    """This step's KV slots (-1: a graph's padded token), or None outside a step."""
     ctx = current_forward_context()
     meta = None if ctx is None else ctx.attn_metadata
-    if meta is None or meta.slot_mapping.shape[0] != ids.shape[0]:
-        return ids
-    return ids.masked_fill(meta.slot_mapping[:, None] < 0, -1)
+    if meta is None or meta.slot_mapping.shape[0] != num_tokens:
+        return None
+    return meta.slot_mapping
 
 
 class FusedMoE(nn.Module):
@@ -104,5 +95,6 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, drop_padding(ids))
+        slots = padding_slots(x.shape[0])
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, slots)
+        return self.experts(x, weights, ids)

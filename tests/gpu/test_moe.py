@@ -9,7 +9,7 @@ from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
 from test_moe_kernels import problem, reference
 
-from ostinato.kernels.moe import align, align_torch, fused_moe
+from ostinato.kernels.moe import align, align_torch, fused_moe, route, route_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -27,6 +27,17 @@ def test_fused_moe_kernel_equals_float64_math(dtype, tol, tokens, padded):
     args = (t.cuda() for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights))
     got = fused_moe(*args).double().cpu()
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_kernel_equals_softmax_top_k(renormalize):
+    logits = torch.randn(300, 128, device="cuda") * 3  # float32: no ties
+    slots = torch.arange(300, device="cuda")
+    slots[-7:] = -1
+    weights, ids = route(logits, 8, renormalize, slots)
+    want_w, want_ids = route_torch(logits, 8, renormalize, slots)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w)
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 128, 8), (32, 128, 8), (5, 8, 2)])
