@@ -103,23 +103,24 @@ def _quantize_tokens_kernel(
         tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
 
 
-@jit
+@jit(do_not_specialize=["M"])
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-    M: tl.constexpr, M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNKS: tl.constexpr, BLOCK_SN: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    BLOCK_SN: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_N output columns per program over the whole K. BLOCKWISE: chunk c of BLOCK_K
-    columns lies in scale column c (BLOCK_K is the block's width), rows n in scale row
-    n // BLOCK_SN; else one scale per row, applied at the end."""
+    """BLOCK_N output columns per program over the whole K, for M <= ROWS rows (M at run
+    time: one compiled kernel per weight shape serves every decode batch up to ROWS).
+    BLOCKWISE: chunk c of BLOCK_K columns lies in scale column c (BLOCK_K is the block's
+    width), rows n in scale row n // BLOCK_SN; else one scale per row, applied at the end."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    rows = tl.arange(0, M_P2)
+    rows = tl.arange(0, ROWS)
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([M_P2, BLOCK_N], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (cols // BLOCK_SN).to(tl.int64) * stride_sn
     for c in tl.static_range(CHUNKS):
@@ -128,7 +129,7 @@ def _fp8_gemv_kernel(
         w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
         if BLOCKWISE:
             w = w * tl.load(s_rows + c, mask=col_ok, other=0.0)[:, None]
-        for m in tl.static_range(M):
+        for m in range(M):
             xm = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
             row = rows[:, None] == m
             acc = tl.where(row, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
@@ -149,8 +150,8 @@ def _gemv(x, w, scale, block):
     if block:
         block_n = min(block_n, block[0])
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, scale, y, n, k, x.stride(0), w.stride(0), scale.stride(0), y.stride(0),
-        M=m, M_P2=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        x, w, scale, y, m, n, k, x.stride(0), w.stride(0), scale.stride(0), y.stride(0),
+        ROWS=GEMV_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
         CHUNKS=triton.cdiv(k, block_k), BLOCK_SN=block[0] if block else 1,
         BLOCKWISE=block is not None, num_warps=4, **pdl_options(),
     )  # fmt: skip

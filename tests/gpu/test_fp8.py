@@ -81,9 +81,9 @@ def every_mode_equals_eager(model, exact: bool = True, **kw):
         gc.collect()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_at_load_every_mode_matches_eager(checkpoint, dtype):
-    every_mode_equals_eager(checkpoint, exact=dtype == "float32", quantization="fp8", dtype=dtype)
+def test_fp8_at_load_every_mode_passes_the_checker_in_bfloat16(checkpoint):
+    """bfloat16: the GEMV, and _scaled_mm for the larger padded batches."""
+    every_mode_equals_eager(checkpoint, exact=False, quantization="fp8", dtype="bfloat16")
 
 
 def test_block_wise_fp8_checkpoint_every_mode_matches_eager(fp8_pair):  # noqa: F811
