@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu_session.sh prefill  # prefill graphs: GPU tests, bench prefill, start-up,
 #                                           # eager decode, prefill attention kernel sweep
 #   bash benchmarks/gpu_session.sh decode   # small-batch decode: fused-kernel tests, latency, kernels/layer
+#   bash benchmarks/gpu_session.sh moe      # the MoE and FP8 GPU tests
+#   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -69,6 +71,30 @@ structured)  # MODEL: tests/gpu/test_structured_gpu.py, then decode with every r
     --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 --structured-output none,json \
     --cuda-graph-mode full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/structured-latency.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
+moe)  # tests/gpu/test_moe.py and test_fp8.py (kernels against float64 math, every graph mode
+  # against eager with the checker on); about 2.5 minutes, at most MOE_TESTS_S (180) seconds
+  info | tee "$OUT/env.txt"
+  timeout "${MOE_TESTS_S:-180}" python3 -m pytest tests/gpu/test_moe.py tests/gpu/test_fp8.py \
+    --maxfail=6 -v -p no:cacheprovider -o addopts="" -rs --durations=12 2>&1 | tee "$OUT/moe-tests.log"
+  ;;
+moe-bench)  # issue 21's targets, side by side: llama-3.1-8b bf16 vs --quantization fp8 (decode
+  # at batch 1 and 32 against its floor, token agreement and logits cosine), then
+  # qwen3-30b-a3b decode eager vs graphs at batch 1 and 32 and its start-up; about 6 minutes
+  info | tee "$OUT/env.txt"
+  for quant in "" "--quantization fp8"; do
+    # shellcheck disable=SC2086  # $quant is two words or none
+    python3 -m ostinato.cli bench latency --model random:llama-3.1-8b --json --batch-size 1,32 \
+      --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
+      --cuda-graph-mode full_and_piecewise $quant 2>>"$OUT/bench.err" | tee -a "$OUT/fp8-latency.jsonl"
+  done
+  python3 benchmarks/fp8_agreement.py --model random:llama-3.1-8b --prompts 32 --tokens 64 \
+    2>>"$OUT/bench.err" | tee "$OUT/fp8-agreement.jsonl"
+  python3 -m ostinato.cli bench latency --model random:qwen3-30b-a3b --json --batch-size 1,32 \
+    --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 \
+    --cuda-graph-mode none,full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/moe-latency.jsonl"
+  python3 -m ostinato.cli bench startup --model random:qwen3-30b-a3b --json --max-model-len 2048 \
+    2>>"$OUT/bench.err" | tee -a "$OUT/moe-startup.jsonl"
+  grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn|traceback" | tail -n 15
   ;;
 parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 on one machine
   info | tee "$OUT/env.txt"

@@ -18,11 +18,13 @@ import torch
 from ostinato.config import EngineConfig
 from ostinato.engine.engine import LLMEngine
 from ostinato.engine_args import add_engine_args, async_scheduling, engine_config
+from ostinato.footprint import meta_model, step_weight_bytes
 from ostinato.loader import load_hf_config
 from ostinato.lora.adapter import BaseShapes, write_random_adapter
 from ostinato.lora.request import LoRARequest
 from ostinato.models.llama import head_dim
 from ostinato.models.registry import get_model_class
+from ostinato.quantization import resolve_quantization
 from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -340,6 +342,7 @@ def _latency(
         "workload": getattr(args, "workload", "random"),
         "speculative_method": config.speculative_method,
         "num_speculative_tokens": config.num_speculative_tokens,
+        "quantization": config.quantization,
         "batch_size": batch,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -529,10 +532,13 @@ BENCHES = {
 
 
 def decode_floor_bytes(engine: LLMEngine, batch: int, context: int) -> int:
-    """Bytes one decode step must read: every weight once, plus the KV of every request,
-    over the whole model (every pipeline stage and tensor slice together)."""
+    """Bytes one decode step must read: every weight once at its stored width (FP8 weights one
+    byte, with their scales), of a mixture-of-experts layer only the experts the batch is
+    expected to choose, plus the KV of every request, over the whole model (every pipeline
+    stage and tensor slice together)."""
     c, itemsize = engine.hf_config, engine.config.torch_dtype.itemsize
-    weights = num_parameters(engine) * itemsize
+    spec = resolve_quantization(engine.config.quantization, c)
+    weights = step_weight_bytes(meta_model(c, engine.config.torch_dtype, spec), batch)
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim(c) * itemsize
     return weights + batch * context * kv_per_token
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ostinato.layout import stage_layers
+from ostinato.quantization import QUANTIZATIONS
 
 DTYPES = {
     "float32": torch.float32,
@@ -70,6 +71,8 @@ class EngineConfig:
     # schedule and launch the next step while the device runs this one; None: on wherever it
     # works (CUDA, one process)
     async_scheduling: bool | None = None
+    # "fp8": quantise a bf16 checkpoint's linear weights at load (FP8 checkpoints need nothing)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -121,6 +124,10 @@ class EngineConfig:
                     f"pipeline_parallel_size={self.pipeline_parallel_size}: give one layer "
                     "count per stage"
                 )
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}: choose one of {QUANTIZATIONS} or None"
+            )
         self._check_lora()
         if not self.distributed_timeout > 0:
             raise ValueError(
@@ -228,8 +235,10 @@ def _tensor_split_problems(hf_config, tp_size: int) -> list[str]:
         problems.append(f"its {heads} attention heads")
     if kv_heads % tp_size and tp_size % kv_heads:
         problems.append(f"its {kv_heads} KV heads (nor is it a multiple of them)")
-    if hf_config.intermediate_size % tp_size:
-        problems.append(f"its intermediate_size {hf_config.intermediate_size}")
+    for name in ("intermediate_size", "moe_intermediate_size"):  # the experts' features too
+        size = getattr(hf_config, name, None)
+        if size is not None and size % tp_size:
+            problems.append(f"its {name} {size}")
     return problems
 
 

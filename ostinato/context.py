@@ -74,6 +74,11 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         _context = previous
 
 
+def current_forward_context() -> ForwardContext | None:
+    """The step's context, or None outside a forward pass (a layer called on its own)."""
+    return _context
+
+
 def get_forward_context() -> ForwardContext:
     if _context is None:
         raise RuntimeError("attention ran outside a forward context: call the model via the runner")

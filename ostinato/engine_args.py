@@ -34,6 +34,7 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--ngram-max", int, "longest suffix the n-gram proposer tries first"),
     ("--max-loras", int, "LoRA adapters one step may use (the adapter slots)"),
     ("--max-lora-rank", int, "largest LoRA rank an adapter may have"),
+    ("--quantization", str, "'fp8': FP8 weights quantised at load (FP8 checkpoints need none)"),
 ]
 ENGINE_SWITCHES: list[tuple[str, str]] = [
     ("--enforce-eager", "never use CUDA graphs"),

@@ -23,6 +23,12 @@ from ostinato.config import EngineConfig
 from ostinato.layers.weights import full_shape, loader_of
 from ostinato.models.llama import TIED
 from ostinato.models.registry import get_model_class
+from ostinato.quantization import (
+    QuantSpec,
+    building,
+    checkpoint_quantization,
+    resolve_quantization,
+)
 
 _QWEN3_0_6B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -66,6 +72,23 @@ _LLAMA_3_1_8B = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+_QWEN3_30B_A3B = {
+    **_QWEN3_0_6B,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+}
 PRESETS: dict[str, dict] = {
     # Qwen3-shaped and small enough for a CPU; its vocabulary covers the byte tokenizer
     "tiny": {
@@ -108,6 +131,43 @@ PRESETS: dict[str, dict] = {
         "tie_word_embeddings": True,
     },
     "llama-3.1-8b": _LLAMA_3_1_8B,
+    # Qwen3-MoE-shaped and small enough for a CPU: 8 experts, 2 per token
+    "tiny-moe": {
+        **_QWEN3_30B_A3B,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 384,
+        "max_position_embeddings": 4096,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
 }
 _SHOW_PROGRESS_BYTES = 2**30
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # org/name
@@ -162,9 +222,14 @@ def load_hf_config(model: str) -> PretrainedConfig:
     if not (path / "config.json").is_file():
         raise ValueError(f"{model!r} has no config.json: it is not a Hugging Face model directory")
     try:
-        return AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path)
     except (ValueError, OSError, KeyError) as e:
         raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
+    try:
+        checkpoint_quantization(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{model}: {e}") from None
+    return hf_config
 
 
 def build_model(
@@ -172,14 +237,16 @@ def build_model(
     device: str | torch.device,
     dtype: torch.dtype,
     layer_range: tuple[int, int] | None = None,
+    quantization: QuantSpec | None = None,
 ) -> nn.Module:
     """The model with uninitialised parameters, allocated directly on `device` in `dtype`
-    (no CPU copy, no init kernels; 'meta' gives shapes only)."""
+    (no CPU copy, no init kernels; 'meta' gives shapes only), its linear layers holding their
+    weights as `quantization` says."""
     cls = get_model_class(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building(quantization):
             model = cls(hf_config, layer_range)
     finally:
         torch.set_default_dtype(previous)
@@ -191,8 +258,14 @@ def load_model(
     config: EngineConfig, hf_config: PretrainedConfig, layer_range: tuple[int, int] | None = None
 ) -> nn.Module:
     """The model for `config.model` with its weights: from the directory's safetensors, or
-    seeded random ones for presets."""
-    model = build_model(hf_config, config.device, config.torch_dtype, layer_range)
+    seeded random ones for presets; quantised as the checkpoint or config.quantization says."""
+    spec = resolve_quantization(config.quantization, hf_config)
+    if spec is not None and config.enable_lora:
+        raise ValueError(
+            f"{config.model}: enable_lora does not work with fp8 weights yet (adapters wrap "
+            "plain projections); drop --enable-lora or use the bf16 checkpoint"
+        )
+    model = build_model(hf_config, config.device, config.torch_dtype, layer_range, spec)
     if is_random(config.model):
         init_random_weights(model, config.seed)
     else:
@@ -200,7 +273,15 @@ def load_model(
             model.load_weights(iter_checkpoint(Path(config.model)))
         except ValueError as e:
             raise ValueError(f"{config.model}: {e}") from None
+    finish_loading(model)
     return model
+
+
+def finish_loading(model: nn.Module) -> None:
+    """What a layer does once its weights are in (FP8 at load quantises them)."""
+    for module in model.modules():
+        if hasattr(module, "finish_loading"):
+            module.finish_loading()
 
 
 def init_random_weights(model: nn.Module, seed: int) -> None:

@@ -52,6 +52,30 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),
+    # 8 experts, 2 per token; one dense layer (mlp_only_layers) beside the sparse ones
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "num_hidden_layers": 3,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "num_local_experts": 6,
+            "num_experts_per_tok": 2,
+            "sliding_window": None,
+            "intermediate_size": 96,
+        },
+    ),
 }
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. A stitch in time saves nine.",

@@ -91,3 +91,39 @@ def test_speculation_captures_verify_graphs_up_to_max_num_seqs_times_q(no_cuda_c
         explain(EngineConfig(device="cuda", max_num_seqs=64))["capture_sizes"]["full_tokens"][-1]
         == 64
     )
+
+
+def _explain(model: str, **kwargs) -> dict:
+    from ostinato.loader import load_hf_config
+
+    config = EngineConfig(model=model, device="cuda", **kwargs)
+    hf = load_hf_config(model)
+    return json.loads(json.dumps(explain(config.for_model(hf), hf)))
+
+
+def test_explain_shows_the_moe_shape_and_the_experts_a_decode_step_reads(no_cuda_calls):
+    out = _explain("random:qwen3-30b-a3b")
+    assert out["moe"] == {"experts": 128, "active_experts_per_token": 8,
+                          "expert_intermediate_size": 768, "sparse_layers": 48}  # fmt: skip
+    assert out["quantization"] is None
+    # by hand, in bf16: each layer's 128 experts of 3 x 2048 x 768 weights, and the rest
+    expert = 3 * 2048 * 768 * 2
+    attention = (2048 * (32 + 4 + 4) * 128 + 32 * 128 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048) * 2
+    rest = 2 * 151936 * 2048 * 2 + 2048 * 2
+    assert out["weight_bytes"] == 48 * (128 * expert + attention) + rest
+    assert out["decode_step_weight_bytes"]["batch_1"] == 48 * (8 * expert + attention) + rest
+    # 32 tokens choose about 112 of the 128 experts (uniform routing)
+    chosen = 128 * (1 - (120 / 128) ** 32)
+    batch_32 = out["decode_step_weight_bytes"]["batch_32"]
+    assert abs(batch_32 - (48 * (chosen * expert + attention) + rest)) < 2
+
+
+def test_explain_shows_fp8_weights_at_one_byte_plus_their_scales(no_cuda_calls):
+    bf16 = _explain("random:llama-3.1-8b")
+    fp8 = _explain("random:llama-3.1-8b", quantization="fp8")
+    assert bf16["quantization"] is None
+    assert fp8["quantization"]["scales"] == "one per output row (at load)"
+    linear = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
+    rows = 32 * (4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096)  # one float32 scale per row
+    assert bf16["weight_bytes"] - fp8["weight_bytes"] == linear * 2 - (linear + rows * 4)
+    assert fp8["decode_step_weight_bytes"]["batch_1"] == fp8["weight_bytes"]

@@ -36,6 +36,8 @@ def state(model) -> dict[str, torch.Tensor]:
         ("qwen2.5-0.5b", 494_032_768, 24, True),
         ("llama-3.2-1b", 1_235_814_400, 16, True),
         ("llama-3.1-8b", 8_030_261_248, 32, False),
+        ("qwen3-30b-a3b", 30_532_122_624, 48, False),
+        ("mixtral-8x7b", 46_702_792_704, 32, False),
     ],
 )
 def test_presets_have_the_real_shapes(preset, params, layers, tied):

@@ -5,16 +5,19 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from ostinato.config import EngineConfig
+from ostinato.footprint import describe
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.plan import CapturePlan
 from ostinato.layout import kv_heads_per_rank, stage_layers
+from ostinato.quantization import resolve_quantization
 
 
 def explain(config: EngineConfig, hf_config=None) -> dict:
     """The resolved mode, every rule that fired, the sizes that would be captured (each once
     per active-adapter count of lora_counts), and the config; with the model's hf_config,
-    each pipeline stage's share and each tensor rank's (every stage captures the same sizes).
+    each pipeline stage's share and each tensor rank's (every stage captures the same sizes),
+    the quantisation, the mixture-of-experts shape and the weight bytes a decode step reads.
     Queries no device, so `device='cuda'` can be checked on a machine without one."""
     plan = CapturePlan.from_config(config)
     resolution = resolve(config, plan)
@@ -28,6 +31,8 @@ def explain(config: EngineConfig, hf_config=None) -> dict:
     if hf_config is not None:
         report["stages"] = stages(config, hf_config)
         report["tensor_parallel"] = tensor_split(config.tensor_parallel_size, hf_config)
+        spec = resolve_quantization(config.quantization, hf_config)
+        report.update(describe(hf_config, config.torch_dtype, spec))
     return report
 
 

@@ -9,6 +9,11 @@ sums the partial outputs. With T = 1 both are the plain projection: the same ker
 small-batch kernel included), no collective.
 
 Parameters are created uninitialised: the loader fills every one (see layers/weights.py).
+
+FP8 (quantization.py decides, per model): a block-wise checkpoint's weights load as they are,
+FP8 with `weight_scale_inv` [ceil(N / bn), ceil(K / bk)] (a rank holds the scale rows or
+columns of its own rows or columns, so its share must be whole blocks); FP8 at load keeps the
+model dtype while loading, then `finish_loading` quantises each row (`weight_scale` [N, 1]).
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from torch import nn
 
 from ostinato.distributed.parallel import tp_group
 from ostinato.kernels import silu_and_mul
+from ostinato.kernels.fp8 import FP8, fp8_linear, quantize_rows
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
+from ostinato.quantization import building_spec
 
 FUSE = True  # the small-batch fusions around the projections (an A/B switch for benches)
 
@@ -49,10 +56,7 @@ def normed_projection(
     the norm (with the add, in place) and then proj, which may be a wrapped one (LoRA)."""
     if isinstance(proj, Linear) and proj.fuses(x):
         return gemv_normed(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu)
-    if residual is None:
-        residual, x = x, norm(x)
-    else:
-        x, residual = norm(x, residual)
+    x, residual = norm.stream(x, residual)
     y = proj(x)
     return (silu_and_mul(y) if silu else y), residual
 
@@ -71,15 +75,45 @@ def residual_projection(
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        spec = building_spec()
+        self.quantize_at_load = spec is not None and not spec.from_checkpoint
+        self.block = spec.block if spec is not None else None  # None: a scale per row
+        dtype = FP8 if self.block else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        if self.block:
+            bn, bk = self.block
+            self.weight_scale_inv = nn.Parameter(
+                torch.empty(-(-out_features // bn), -(-in_features // bk), dtype=torch.float32),
+                requires_grad=False,
+            )
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """float32 weight scales once the weight is FP8 (a block's, or a row's)."""
+        scale = getattr(self, "weight_scale_inv", None)
+        return scale if scale is not None else getattr(self, "weight_scale", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return project(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale, bias, self.block)
+        return project(x, self.weight, bias)
+
+    def finish_loading(self) -> None:
+        """FP8 at load: the loaded weight becomes FP8 rows and a scale per row."""
+        if self.quantize_at_load and self.scale is None:
+            weight, scale = quantize_rows(self.weight.data)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the small-batch kernel runs this projection of x, with the ops around it."""
-        return FUSE and gemv_pays(x, self.weight)
+        return FUSE and self.scale is None and gemv_pays(x, self.weight)  # not FP8 weights
 
 
 class ColumnParallelLinear(Linear):
@@ -109,20 +143,31 @@ class ColumnParallelLinear(Linear):
         self.rows, self.out_sizes, self.full_sizes = rows, out_sizes, list(full_sizes)
         self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes) + 1)]
         self.full_offsets = [sum(full_sizes[:i]) for i in range(len(full_sizes) + 1)]
+        self.unit = {id(self.weight_scale_inv): self.block[0]} if self.block else {}
+        if self.block and any(n % self.block[0] for n in out_sizes + list(full_sizes)):
+            raise ValueError(
+                f"fp8 blocks of {self.block[0]} rows do not tile the projections of "
+                f"{full_sizes} rows ({out_sizes} on this tensor rank)"
+            )
         for param in self.parameters():
             param.weight_loader = self.load
             param.num_shards = len(out_sizes)
-            param.full_shape = (self.full_offsets[-1], *param.shape[1:])
+            rows = self.full_offsets[-1] // self.unit.get(id(param), 1)
+            param.full_shape = (rows, *param.shape[1:])
 
     def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
+        """A weight or bias by rows; a block scale by rows of blocks."""
+        unit = self.unit.get(id(param), 1)
         if shard is None:
             check_shape(loaded, param.full_shape)
             for i in range(len(self.full_sizes)):
-                self.load(param, loaded[self.full_offsets[i] : self.full_offsets[i + 1]], i)
+                start, stop = self.full_offsets[i] // unit, self.full_offsets[i + 1] // unit
+                self.load(param, loaded[start:stop], i)
             return
-        check_shape(loaded, (self.full_sizes[shard], *param.shape[1:]))
-        here = param.data[self.offsets[shard] : self.offsets[shard + 1]]
-        here.copy_(loaded[self.rows[shard]])
+        check_shape(loaded, (self.full_sizes[shard] // unit, *param.shape[1:]))
+        here = param.data[self.offsets[shard] // unit : self.offsets[shard + 1] // unit]
+        rows = self.rows[shard]
+        here.copy_(loaded[rows.start // unit : rows.stop // unit])
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.out_sizes, dim=-1)
@@ -145,11 +190,20 @@ class RowParallelLinear(Linear):
         self.tp, self.cols = tp, slice(share.start, share.stop)
         self.weight.weight_loader = self.load
         self.weight.full_shape = (out_features, in_features)
+        if self.block:
+            bn, bk = self.block
+            if len(share) % bk:
+                raise ValueError(
+                    f"fp8 blocks of {bk} columns do not tile this tensor rank's {len(share)} "
+                    "input features: choose a smaller tensor_parallel_size"
+                )
+            self.scale.weight_loader = self.load_scale
+            self.scale.full_shape = (-(-out_features // bn), -(-in_features // bk))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return project(x, self.weight, self.bias)
-        out = self.tp.all_reduce(project(x, self.weight))
+            return self.matmul(x, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out.add_(self.bias)
 
     def fuses(self, x: torch.Tensor) -> bool:
@@ -159,3 +213,8 @@ class RowParallelLinear(Linear):
     def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
         check_shape(loaded, param.full_shape)
         param.data.copy_(loaded[:, self.cols])
+
+    def load_scale(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
+        check_shape(loaded, param.full_shape)
+        bk = self.block[1]
+        param.data.copy_(loaded[:, self.cols.start // bk : self.cols.stop // bk])

@@ -23,3 +23,11 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual
+
+    def stream(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream (hidden + residual, or hidden alone) normalised, and the stream."""
+        if residual is None:
+            return self(hidden), hidden
+        return self(hidden, residual)

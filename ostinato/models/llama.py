@@ -106,12 +106,19 @@ class LlamaMLP(nn.Module):
         return residual_projection(self.down_proj, act, residual)
 
 
+def dense_mlp(config, layer_idx: int) -> nn.Module:
+    return LlamaMLP(
+        config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False)
+    )
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, **attn_options) -> None:
+    def __init__(
+        self, config, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module, **attn_options
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary, **attn_options)
-        mlp_bias = getattr(config, "mlp_bias", False)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, mlp_bias)
+        self.mlp = mlp  # dense, or a mixture of experts
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -140,7 +147,9 @@ def check_supported(config) -> None:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, layer_range: tuple[int, int] | None, **attn_options) -> None:
+    def __init__(
+        self, config, layer_range: tuple[int, int] | None, make_mlp=dense_mlp, **attn_options
+    ) -> None:
         super().__init__()
         check_supported(config)
         num_layers = config.num_hidden_layers
@@ -155,7 +164,9 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleDict(
             {
-                str(i): LlamaDecoderLayer(config, i, self.rotary_emb, **attn_options)
+                str(i): LlamaDecoderLayer(
+                    config, i, self.rotary_emb, make_mlp(config, i), **attn_options
+                )
                 for i in range(self.start, self.end)
             }
         )
@@ -184,11 +195,28 @@ class LlamaModel(nn.Module):
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
+def merged_name(name: str) -> tuple[str, int | None]:
+    """Checkpoint name -> (parameter name, shard of a merged parameter or None)."""
+    for part, (merged, shard) in PACKED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{merged}."), shard
+    return name, None
+
+
+def checkpoint_name(name: str, shard: int | None) -> str:
+    for part, (merged, s) in PACKED.items():
+        if s == shard and f".{merged}." in name:
+            return name.replace(f".{merged}.", f".{part}.")
+    return name
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config, layer_range: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, layer_range, **self.attention_options(hf_config))
+        self.model = LlamaModel(
+            hf_config, layer_range, self.make_mlp, **self.attention_options(hf_config)
+        )
         self.layer_range = (self.model.start, self.model.end)  # resolved: global [start, end)
         self.lm_head = None
         if self.model.norm is not None:
@@ -200,6 +228,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_options(config) -> dict:
         bias = getattr(config, "attention_bias", False)
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    make_mlp = staticmethod(dense_mlp)  # (config, layer_idx) -> the layer's MLP
+    param_name = staticmethod(merged_name)  # checkpoint -> (param, shard)
+    checkpoint_name = staticmethod(checkpoint_name)
 
     def forward(
         self,
@@ -223,7 +255,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())  # a tied weight appears once
         loaded: set[tuple[str, int | None]] = set()
         for ckpt_name, tensor in weights:
-            name, shard = merged_name(ckpt_name)
+            name, shard = self.param_name(ckpt_name)
             targets = TIED if self.config.tie_word_embeddings and name in TIED else (name,)
             for target in (t for t in targets if t in params):
                 param = params[target]
@@ -237,22 +269,7 @@ class LlamaForCausalLM(nn.Module):
             for name, param in params.items()
             for shard in (range(param.num_shards) if hasattr(param, "num_shards") else [None])
         }
-        missing = sorted(checkpoint_name(*key) for key in expected - loaded)
+        missing = sorted(self.checkpoint_name(*key) for key in expected - loaded)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"the checkpoint lacks weights: {', '.join(missing[:5])}{more}")
-
-
-def merged_name(name: str) -> tuple[str, int | None]:
-    """Checkpoint name -> (parameter name, shard of a merged parameter or None)."""
-    for part, (merged, shard) in PACKED.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{merged}."), shard
-    return name, None
-
-
-def checkpoint_name(name: str, shard: int | None) -> str:
-    for part, (merged, s) in PACKED.items():
-        if s == shard and f".{merged}." in name:
-            return name.replace(f".{merged}.", f".{part}.")
-    return name

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ostinato.models.llama import LlamaForCausalLM
+from ostinato.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from ostinato.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
@@ -12,6 +13,8 @@ MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,  # the same network; a sliding window is refused
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

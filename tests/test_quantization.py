@@ -1,0 +1,218 @@
+"""Quantised checkpoints: what we cannot run is refused by name, never loaded as garbage; FP8
+weights (block-wise checkpoints, and FP8 at load) against float64 math and dequantised twins."""
+
+import json
+import re
+
+import pytest
+import torch
+from helpers import make_hf_checkpoint
+from oracle import oracle_prompts, run_ostinato
+
+from ostinato import LLM
+from ostinato.kernels.fp8 import fp8_linear, quantize_rows
+from ostinato.loader import load_hf_config
+
+
+def with_quantization(path, quantization_config: dict) -> str:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint("qwen3", tmp_path_factory.mktemp("q") / "q")
+
+
+@pytest.mark.parametrize(
+    "quantization_config, message",
+    [
+        ({"quant_method": "awq", "bits": 4}, "unsupported quantization 'awq'"),
+        ({"quant_method": "gptq", "bits": 4}, "unsupported quantization 'gptq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+         "unsupported quantization 'bitsandbytes'"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"},
+         "unsupported fp8 checkpoint: weight_block_size None"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+         "unsupported fp8 activation_scheme 'static'"),
+    ],
+)  # fmt: skip
+def test_a_quantization_we_cannot_run_is_one_line_naming_it(
+    checkpoint, tmp_path, quantization_config, message
+):
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint, path)
+    model = with_quantization(path, quantization_config)
+    for load in (load_hf_config, lambda m: LLM(m, device="cpu")):
+        with pytest.raises(ValueError, match=re.escape(message)) as e:
+            load(model)
+        assert "\n" not in str(e.value) and str(e.value).startswith(model)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------
+def quantize_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """The released format: FP8 weights, weight_scale_inv [ceil(N/b), ceil(K/b)], written
+    here from the definition (w ~ fp8 * scale per block)."""
+    n, k = w.shape
+    scale = torch.empty(-(-n // block), -(-k // block))
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale[i, j]).to(
+                torch.float8_e4m3fn
+            )
+    return q, scale
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    out = q.double()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * block : (i + 1) * block, j * block : (j + 1) * block] *= scale[i, j]
+    return out
+
+
+def float64_linear(x, q, scale, block):
+    """x @ (FP8 weight times its row's or block's scale).T in float64."""
+    w = dequantized(q, scale, block) if block else q.double() * scale.double()
+    return x.double() @ w.T
+
+
+@pytest.mark.parametrize(
+    "path, rows, blockwise",
+    [("torch", 5, False), ("torch", 5, True), ("triton", 1, False), ("triton", 7, False),
+     ("triton", 3, True), ("triton", 40, True)],  # the GEMV up to 8 rows, the tiled GEMM above
+)  # fmt: skip
+def test_fp8_linear_equals_float64_math(monkeypatch, path, rows, blockwise):
+    if path == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g)
+    w = torch.randn(160, 256, generator=g) * 0.05
+    if blockwise:
+        q, scale = quantize_blocks(w)
+    else:
+        q, scale = quantize_rows(w)
+    block = (128, 128) if blockwise else None
+    want = float64_linear(x, q, scale, 128 if blockwise else None)
+    # the interpreter's tl.dot mishandles bfloat16: the GEMM's bfloat16 runs in tests/gpu
+    dtypes = ((torch.float32, 1e-5),) + (() if rows > 8 else ((torch.bfloat16, 2**-7),))
+    for dtype, tol in dtypes:
+        got = fp8_linear(x.to(dtype), q, scale, block=block).double()
+        exact = float64_linear(x.to(dtype), q, scale, 128 if blockwise else None)
+        # within the rounding of the output dtype, relative to the output's size
+        torch.testing.assert_close(got, exact, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_quantize_rows_keeps_each_row_within_fp8_rounding():
+    w = torch.randn(64, 96) * torch.logspace(-3, 1, 64)[:, None]
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
+    back = q.float() * scale
+    assert ((back - w).abs() <= w.abs().amax(1, keepdim=True) * 2**-4).all()
+
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tmp_path_factory):
+    """A block-wise FP8 Qwen3 checkpoint and its dequantised float32 twin; every projection,
+    and each of two tensor ranks' share of it, whole 128 x 128 blocks."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = make_hf_checkpoint(
+        "qwen3", tmp_path_factory.mktemp("q128") / "q", head_dim=128, hidden_size=256
+    )
+    tensors = load_file(checkpoint / "model.safetensors")
+    fp8, twin = {}, {}
+    for name, t in tensors.items():
+        if any(f".{p}.weight" in name for p in LINEAR):
+            q, scale = quantize_blocks(t)
+            fp8[name], fp8[name + "_scale_inv"] = q, scale
+            twin[name] = dequantized(q, scale).float()
+        else:
+            fp8[name] = twin[name] = t
+    root = tmp_path_factory.mktemp("fp8")
+    paths = []
+    for label, content in (("fp8", fp8), ("twin", twin)):
+        path = root / label
+        shutil.copytree(checkpoint, path)
+        save_file(content, path / "model.safetensors")
+        paths.append(path)
+    with_quantization(paths[0], {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                 "activation_scheme": "dynamic"})  # fmt: skip
+    return paths
+
+
+def test_block_wise_fp8_checkpoint_matches_its_dequantised_twin(fp8_pair):
+    fp8, twin = fp8_pair
+    prompts = oracle_prompts(300)
+    llm, ours = run_ostinato(fp8, prompts, 8, device="cpu", dtype="float32")
+    _, want = run_ostinato(twin, prompts, 8, device="cpu", dtype="float32")
+    assert ours == want
+    layer = llm.engine.executor.runner.model.model.layers["0"]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.self_attn.qkv_proj.weight_scale_inv.shape == (8, 2)  # 1024 x 256 weights
+    assert layer.mlp.down_proj.weight_scale_inv.shape == (2, 2)
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_block_wise_fp8_under_tensor_parallelism_generates_what_one_process_does(fp8_pair, tp):
+    fp8, _ = fp8_pair
+    prompts = oracle_prompts(300)[:3]
+    llm, want = run_ostinato(fp8, prompts, 6, device="cpu", dtype="float32")
+    got_llm, got = run_ostinato(
+        fp8, prompts, 6, device="cpu", dtype="float32", tensor_parallel_size=tp
+    )
+    try:
+        assert got == want
+    finally:
+        got_llm.engine.shutdown()
+
+
+def test_quantization_fp8_at_load_equals_its_per_row_dequantised_twin(checkpoint, tmp_path):
+    """Each row of each projection as FP8 times one float32 scale (its largest magnitude over
+    448), written here into a float32 twin: greedy tokens equal."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    for name, t in tensors.items():
+        if any(f".{p}.weight" in name for p in LINEAR):
+            scale = t.abs().amax(1, keepdim=True) / 448.0
+            tensors[name] = (t / scale).to(torch.float8_e4m3fn).float() * scale
+    twin = tmp_path / "twin"
+    shutil.copytree(checkpoint, twin)
+    save_file(tensors, twin / "model.safetensors")
+    prompts = oracle_prompts(300)
+    llm, ours = run_ostinato(checkpoint, prompts, 8, device="cpu", dtype="float32",
+                             quantization="fp8")  # fmt: skip
+    _, want = run_ostinato(twin, prompts, 8, device="cpu", dtype="float32")
+    assert ours == want
+    mlp = llm.engine.executor.runner.model.model.layers["0"].mlp
+    assert mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert mlp.gate_up_proj.weight_scale.shape == (512, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"quantization": "int4"}, "unknown quantization 'int4'"),
+        ({"model": "random:tiny-moe", "quantization": "fp8"},
+         "fp8 weights of a mixture-of-experts model are not supported yet"),
+        ({"quantization": "fp8", "enable_lora": True}, "enable_lora does not work with fp8"),
+    ],
+)  # fmt: skip
+def test_bad_quantization_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(**{"model": "tiny", "device": "cpu", **kwargs})
