@@ -18,6 +18,8 @@
 #   bash benchmarks/gpu_session.sh decode   # small-batch decode: fused-kernel tests, latency, kernels/layer
 #   bash benchmarks/gpu_session.sh moe      # the MoE and FP8 GPU tests
 #   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b
+#   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
+#   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -32,6 +34,38 @@ info() {
 }
 
 case "$stage" in
+verify-tests)  # every GPU test in one run (about 9 minutes on an H100), the log whole
+  info | tee "$OUT/env.txt"
+  timeout "${TESTS_S:-570}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rs \
+    --durations=15 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 40
+  ;;
+verify-bench)  # the benches of issues 17-21 on random weights, each under its own limit (~9 min)
+  info | tee "$OUT/env.txt"
+  python3 -c "import fastapi, uvicorn, zmq, msgspec, llguidance" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  q=random:qwen3-0.6b
+  b() { timeout "$1" python3 -m ostinato.cli bench "${@:2}" --json 2>>"$OUT/bench.err"; }
+  b 100 prefill --model $q --iters 3 --no-prefix-caching --cuda-graph-mode none,full_and_piecewise \
+    | tee -a "$OUT/prefill.jsonl"
+  b 45 startup --model $q --max-model-len 2048 --input-len 512 | tee -a "$OUT/startup.jsonl"
+  b 80 latency --model $q --batch-size 1,32 --input-len 512 --output-len 64 --iters 3 \
+    --max-model-len 2048 --cuda-graph-mode none,piecewise,full_and_piecewise | tee -a "$OUT/decode.jsonl"
+  b 50 throughput --model $q --batch-size 256 --input-len 512 --output-len 128 \
+    | tee -a "$OUT/throughput.jsonl"
+  b 50 latency --model $q --batch-size 32 --input-len 128 --output-len 64 --iters 3 \
+    --max-model-len 2048 --structured-output none,json | tee -a "$OUT/structured.jsonl"
+  for quant in "" "--quantization fp8"; do
+    # shellcheck disable=SC2086  # $quant is two words or none
+    b 60 latency --model random:llama-3.1-8b --batch-size 1,32 --input-len 128 --output-len 64 \
+      --iters 3 --max-model-len 2048 $quant | tee -a "$OUT/fp8.jsonl"
+  done
+  timeout 150 python3 -m ostinato.cli bench serve --launch --model $q --max-model-len 2048 \
+    --request-rate 8,32,inf --num-prompts "${SERVE_PROMPTS:-80}" --input-len 512 --output-len 128 \
+    --len-spread 0.5 --logprobs 0 --json --server-log /tmp/serve.log 2>>"$OUT/bench.err" \
+    | tee -a "$OUT/serve.jsonl"
+  grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|traceback" | tail -n 15
+  ;;
 tests)
   info | tee "$OUT/env.txt"
   python3 -m pytest tests/gpu --maxfail=8 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/gpu-tests.log"
@@ -71,6 +105,7 @@ structured)  # MODEL: tests/gpu/test_structured_gpu.py, then decode with every r
     --input-len 128 --output-len 64 --iters 3 --max-model-len 2048 --structured-output none,json \
     --cuda-graph-mode full_and_piecewise 2>>"$OUT/bench.err" | tee -a "$OUT/structured-latency.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
+  ;;
 moe)  # tests/gpu/test_moe.py and test_fp8.py (kernels against float64 math, every graph mode
   # against eager with the checker on); about 2.5 minutes, at most MOE_TESTS_S (180) seconds
   info | tee "$OUT/env.txt"
