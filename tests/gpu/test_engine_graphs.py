@@ -17,7 +17,7 @@ from oracle import (
 )
 
 from ostinato import LLM, SamplingParams
-from ostinato.kernels import variants
+from ostinato.kernels import launch, variants
 
 pytestmark = pytest.mark.gpu
 
@@ -130,8 +130,10 @@ def num_graphs(report: dict) -> int:
 
 @pytest.fixture
 def cold_kernels(monkeypatch):
-    """No kernel variant counts as warm yet (earlier engines of this process warmed them)."""
+    """No kernel variant counts as warm yet (earlier engines of this process warmed them, and
+    compiled them for the cached launches, which skip the capture guard once compiled)."""
     monkeypatch.setattr(variants, "_launched", set())
+    monkeypatch.setattr(launch, "_compiled", {})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -148,6 +150,7 @@ def test_lazy_capture_matches_eager_capture_token_for_token(checkpoint, dtype, m
         del eager_capture
         gc.collect()
         monkeypatch.setattr(variants, "_launched", set())  # cold first uses happen
+        monkeypatch.setattr(launch, "_compiled", {})
         llm = engine(checkpoint, mode, dtype=dtype, check_graphs=1, cuda_graph_capture="lazy")
         started = llm.graph_report()
         assert num_graphs(started) == 0 and started["capture_seconds"] == 0, started
