@@ -28,6 +28,7 @@ from helpers import assert_stopped_for_good, is_alive
 from ostinato import LLM, SamplingParams
 from ostinato.distributed import launcher, worker
 from ostinato.distributed.executor import WorkerError
+from ostinato.engine.engine import EngineShutdownError
 from ostinato.graphs import capture, compat
 from ostinato.kernels import variants
 from ostinato.kernels.dispatch import jit
@@ -286,7 +287,7 @@ def test_a_rank_killed_during_teardown_is_named_and_nothing_is_left(monkeypatch)
     assert time.monotonic() - start < 15
     assert "stage 1, tensor rank 0 (rank 1) was killed by SIGKILL" in engine.failed
     assert not is_alive(victim.pid) and not multiprocessing.active_children()
-    with pytest.raises(WorkerError, match="killed by SIGKILL"):
+    with pytest.raises(EngineShutdownError):  # shut down, as asked; engine.failed says why
         llm.generate(["again"], GREEDY, use_tqdm=False)
 
 

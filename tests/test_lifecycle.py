@@ -18,6 +18,7 @@ from ostinato.engine import messages as m
 from ostinato.engine.async_engine import AsyncEngine, EngineClosedError
 from ostinato.engine.core import EngineCore
 from ostinato.engine.engine import EngineShutdownError
+from ostinato.sampling_params import StructuredOutputsParams
 
 CONFIG = {"model": "tiny", "device": "cpu", "max_model_len": 128, "max_num_seqs": 4}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -71,15 +72,19 @@ def test_async_engine_shutdown_twice_and_refuses_after():
 def test_every_sampling_field_crosses_to_the_engine_process():
     """Requests travel as the dataclasses they are: every field of SamplingParams (set off its
     default here) arrives, with no code naming the fields."""
-    changed = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "max_tokens": 9,
-               "stop": ["x"], "stop_token_ids": [5], "ignore_eos": True, "logprobs": 2}  # fmt: skip
+    changed = {"temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 3,
+               "max_tokens": 9, "min_tokens": 2, "stop": ["x"], "stop_token_ids": [5],
+               "ignore_eos": True, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+               "repetition_penalty": 1.2, "logit_bias": {7: -3.0}, "logprobs": 2,
+               "structured_outputs": StructuredOutputsParams(json={"type": "object"}),
+               "prompt_logprobs": 1}  # fmt: skip
     params = SamplingParams(**changed)
     defaults = SamplingParams()
     for f in dataclasses.fields(SamplingParams):  # a new field needs a value above
         assert getattr(params, f.name) != getattr(defaults, f.name), f.name
     add = m.Add(7, [m.NewRequest("r", [1, 2], params)], LoRARequest("a", "/adapter"))
     assert m.input_decoder().decode(m.encoder().encode(add)) == add
-    step = m.Step([m.Delta("r", [4, 5], [{4: -0.5}, {5: -1.0}], "stop", 3)])
+    step = m.Step([m.Delta("r", [4, 5], [{4: -0.5}, {5: -1.0}], "stop", 3, [None, {2: -0.1}])])
     assert m.output_decoder().decode(m.encoder().encode(step)) == step
 
 

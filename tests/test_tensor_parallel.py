@@ -22,6 +22,7 @@ from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group
 from ostinato.graphs.explain import explain
 from ostinato.layers.embedding import LMHead, VocabEmbedding
 from ostinato.layers.linear import ColumnParallelLinear, RowParallelLinear
+from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import loader_of
 from ostinato.loader import LazyTensor, load_hf_config, load_model
 from ostinato.models.llama import LlamaMLP
@@ -115,18 +116,31 @@ def test_column_parallel_qkv_holds_whole_heads_and_shares_kv_heads(on_ranks, tp)
         torch.testing.assert_close(v_r, v[:, kv_own])
 
 
+class _NormedMLP(torch.nn.Module):
+    """An MLP as a decoder layer runs it: the residual stream normalised in, its output out."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.mlp = LlamaMLP(16, 24, bias)  # gate|up column-parallel, down row-parallel
+        self.norm = RMSNorm(16, 1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, residual = self.mlp(x, None, self.norm)
+        return out if residual is None else out + residual
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("bias", [False, True])
 def test_mlp_split_over_ranks_equals_the_whole_mlp(on_ranks, tp, bias):
-    build = lambda: LlamaMLP(16, 24, bias)  # gate|up column-parallel, down row-parallel
+    build = lambda: _NormedMLP(bias)
     whole = build()
     tensors = whole_tensors(whole, seed=1)
     fill(whole, tensors)
     ranks = on_ranks(tp, build)
     for rank in ranks:
         fill(rank, tensors)
-        assert rank.gate_up_proj.weight.shape == (2 * 24 // tp, 16)
-        assert rank.down_proj.weight.shape == (16, 24 // tp)
+        assert rank.mlp.gate_up_proj.weight.shape == (2 * 24 // tp, 16)
+        assert rank.mlp.down_proj.weight.shape == (16, 24 // tp)
     x = torch.randn(3, 16)
     want = whole(x)
     for out in run_ranks(ranks, x):  # the all-reduce leaves every rank the whole output
