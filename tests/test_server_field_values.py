@@ -12,6 +12,7 @@ from helpers import make_hf_checkpoint
 from oracle import hf_model
 
 from ostinato import LLM, SamplingParams
+from ostinato.engine.async_engine import AsyncEngine
 from ostinato.server.app import build_app
 
 MAX_MODEL_LEN = 48
@@ -36,7 +37,7 @@ def reference(checkpoint):
 @pytest.fixture(scope="module")
 def client(checkpoint):
     llm = _llm(checkpoint)
-    with TestClient(build_app(llm.engine, ["m"])) as c:
+    with TestClient(build_app(AsyncEngine(llm.engine), ["m"])) as c:
         yield c
 
 

@@ -129,7 +129,7 @@ class Workers:
 
     def _describe(self, rank: int) -> str:
         with self._reaping:
-            self.procs[rank].join(1)  # reaped, so its exit code is known
+            self.procs[rank].join(5)  # reaped, so its exit code is known (its sentinel fired)
         r, code = self.ranks[rank], self.procs[rank].exitcode
         who = f"pipeline stage {r.pp_rank}, tensor rank {r.tp_rank} (rank {rank})"
         error = self._error_of(rank)

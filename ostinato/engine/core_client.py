@@ -208,8 +208,10 @@ class EngineCoreClient:
         safe to call more than once and from outside the event loop."""
         self._closing = True
         if self.proc.is_alive():
+            # never blocking: a core that is dying has no peer socket to take the message
             with contextlib.suppress(zmq.ZMQError):
-                zmq.Socket.shadow(self._input.underlying).send(self._encode(m.Shutdown()))
+                shutdown = self._encode(m.Shutdown())
+                zmq.Socket.shadow(self._input.underlying).send(shutdown, flags=zmq.NOBLOCK)
             self.proc.join(STOP_PATIENCE)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if self.proc.is_alive():
