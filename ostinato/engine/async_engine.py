@@ -82,6 +82,17 @@ class _Tracked:
     last: RequestOutput | None = None
 
 
+def latencies(
+    arrival: float, first_token: float | None, num_tokens: int, now: float
+) -> tuple[float | None, float | None]:
+    """A finished request's time to first token and time per output token after it (None
+    where it has no such token)."""
+    if first_token is None:
+        return None, None
+    tpot = (now - first_token) / (num_tokens - 1) if num_tokens > 1 else None
+    return first_token - arrival, tpot
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finish: FinishObserver | None = None) -> None:
         self.engine = engine
@@ -288,11 +299,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(_put_all, ready)
 
     def _observe_finished(self, tracked: _Tracked, out: RequestOutput, now: float) -> None:
-        ttft = tpot = None
-        if tracked.first_token is not None:
-            ttft = tracked.first_token - tracked.arrival
-            if len(out.token_ids) > 1:
-                tpot = (now - tracked.first_token) / (len(out.token_ids) - 1)
+        ttft, tpot = latencies(tracked.arrival, tracked.first_token, len(out.token_ids), now)
         self._observe(out.finish_reason or "stop", ttft, tpot)
 
     def _observe(self, reason: str, ttft: float | None, tpot: float | None) -> None:

@@ -37,6 +37,7 @@ from ostinato.engine.async_engine import (
     FinishObserver,
     Prompt,
     RequestStream,
+    latencies,
 )
 from ostinato.engine.core import core_main
 from ostinato.engine.detokenizer import IncrementalDetokenizer, cut_at_stop
@@ -293,11 +294,7 @@ class EngineCoreClient:
         return req.stream, out
 
     def _observe_finished(self, req: _Request, out: RequestOutput, now: float) -> None:
-        ttft = tpot = None
-        if req.first_token is not None:
-            ttft = req.first_token - req.arrival
-            if len(out.token_ids) > 1:
-                tpot = (now - req.first_token) / (len(out.token_ids) - 1)
+        ttft, tpot = latencies(req.arrival, req.first_token, len(out.token_ids), now)
         self._observe(out.finish_reason or "stop", ttft, tpot)
 
     def _observe(self, reason: str, ttft: float | None, tpot: float | None) -> None:
