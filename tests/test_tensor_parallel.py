@@ -398,7 +398,9 @@ def test_a_tensor_rank_killed_mid_generation_stops_the_engine_naming_it(prompts)
         for _ in range(3):
             engine.step()
         worker = engine.executor.workers.procs[1]
-        error = r"stage 0, tensor rank 1 \(rank 1\) was killed"
+        # the signal when this process could read the exit status (a full suite run once
+        # found it collected elsewhere): the rank is named either way
+        error = r"stage 0, tensor rank 1 \(rank 1\) (was killed by SIGKILL|exited)"
         assert_killing_stops_the_engine(engine, worker.pid, error)
         assert_stopped_for_good(llm, [worker])
     finally:

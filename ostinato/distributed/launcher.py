@@ -135,7 +135,9 @@ class Workers:
         error = self._error_of(rank)
         if error:
             return f"{who} failed: {error.strip().splitlines()[-1]}"
-        if code is not None and code < 0:
+        if code is None:  # its status was collected elsewhere (seen only in long test runs)
+            return f"{who} exited (exit status unknown)"
+        if code < 0:
             return f"{who} was killed by {signal.Signals(-code).name}"
         return f"{who} exited with code {code}"
 
