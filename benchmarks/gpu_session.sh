@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_session.sh decode   # small-batch decode: fused-kernel tests, latency, kernels/layer
 #   bash benchmarks/gpu_session.sh moe      # the MoE and FP8 GPU tests
 #   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b
+#   bash benchmarks/gpu_session.sh diag     # FP8 vs its twin, host profile, prefill kernels, fusions
 #   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
 #   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
@@ -65,6 +66,28 @@ verify-bench)  # the benches of issues 17-21 on random weights, each under its o
     --len-spread 0.5 --logprobs 0 --json --server-log /tmp/serve.log 2>>"$OUT/bench.err" \
     | tee -a "$OUT/serve.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|traceback" | tail -n 15
+  ;;
+diag)  # where the missed targets lose their time (~6 min): FP8 against its rounded-weight twin,
+  # the host profile of an eager decode step, prefill kernels per size, decode fused vs not,
+  # and where start-up capture goes
+  info | tee "$OUT/env.txt"
+  for len in 1 32; do
+    timeout 150 python3 benchmarks/fp8_agreement.py --prompts 8 --tokens 16 --prompt-len $len \
+      2>>"$OUT/diag.err" | tee -a "$OUT/fp8-agreement.jsonl"
+  done
+  timeout 120 python3 benchmarks/profile_step.py --modes none,full_and_piecewise --batch-sizes 1 \
+    --sections host,prefill --json "$OUT/profile.jsonl" 2>>"$OUT/diag.err" | grep -v '^{' \
+    | tee "$OUT/host-prefill.log" | head -n 120
+  for fuse in fused no-fuse; do
+    flag=$([ $fuse = no-fuse ] && echo --no-fuse)
+    # shellcheck disable=SC2086
+    timeout 60 python3 benchmarks/profile_step.py --modes full_and_piecewise --batch-sizes 1,32 \
+      --sections decode,kernels --steps 48 --label $fuse $flag --json "$OUT/profile.jsonl" \
+      2>>"$OUT/diag.err" | grep -v '^{' | tee "$OUT/decode-$fuse.log" | tail -n 16
+  done
+  timeout 90 python3 benchmarks/capture_profile.py --model random:qwen3-0.6b --max-model-len 2048 \
+    --out "$OUT/capture-profile.jsonl" 2>>"$OUT/diag.err" | cut -c1-400
+  grep -v "it/s\]" "$OUT/diag.err" | grep -iE "error|traceback" | tail -n 15
   ;;
 tests)
   info | tee "$OUT/env.txt"

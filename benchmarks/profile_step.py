@@ -12,9 +12,11 @@ at the end. Prompts are 512 random tokens, unique per request, so the prefix cac
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import importlib
 import json
+import pstats
 import statistics
 import time
 from collections import Counter
@@ -34,7 +36,8 @@ _seed = iter(range(10**9))
 
 
 def sync() -> None:
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():  # the host section also profiles a CPU engine
+        torch.cuda.synchronize()
 
 
 def prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
@@ -115,6 +118,35 @@ def forward(runner, step):
         )
 
 
+def host_profile(engine: LLMEngine, batch: int, steps: int, top: int = 40) -> dict:
+    """Where the host time of decode steps goes: cProfile over `steps` engine steps, the
+    functions with the most own time (file:line function, calls, own ms and cumulative ms per
+    step)."""
+    start_decoding(engine, batch, steps + 20)
+    for _ in range(3):
+        engine.step()
+    sync()
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    sync()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    finish(engine)
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {
+        "step_ms_profiled": ms,
+        "top": [
+            f"{f.rsplit('/', 2)[-1] if '/' in f else f}:{line} {name} calls/step="
+            f"{nc / steps:.1f} own_ms={tt / steps * 1e3:.3f} cum_ms={ct / steps * 1e3:.3f}"
+            for (f, line, name), (_, nc, tt, ct, _) in rows
+        ],
+    }
+
+
 def one_decode_step(engine: LLMEngine, batch: int):
     """A decode step of `batch` requests loaded into the buffers; it may run any number of
     times (it rewrites the same KV slots), and is handed back unrun."""
@@ -151,6 +183,56 @@ def kernels(engine: LLMEngine, batch: int) -> dict:
         "us_per_kernel": sum(device_us.values()) / max(1, sum(names.values())),
         "by_name": {n: [c, round(device_us[n], 1)] for n, c in names.most_common()},
     }
+
+
+def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
+    """One prompt of each length run alone (one output token, no prefix cache): the step's
+    wall time against its kernels' device time, which kernels that is, and their count (the
+    gap between wall and device time is the host's or the launches')."""
+    engine = LLMEngine(
+        EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=max(lengths) + 16,
+                     async_scheduling=False, enable_prefix_caching=False)
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    results = []
+    for length in lengths:
+        wall_ms = wall_ms_plain(engine, length)  # also the warm-up of this size
+        engine.add_request(prompts(engine, 1, length)[0], params)
+        sync()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.step()
+            sync()
+        while engine.has_unfinished_requests():
+            engine.step()
+        device_us: Counter[str] = Counter()
+        names: Counter[str] = Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem"):
+                names[e.name[:60]] += 1
+                device_us[e.name[:60]] += e.device_time
+        results.append({
+            "mode": mode, "tokens": length, "wall_ms": wall_ms,
+            "device_ms": sum(device_us.values()) / 1e3, "kernels": sum(names.values()),
+            "top": {n: [names[n], round(us, 1)] for n, us in device_us.most_common(10)},
+        })  # fmt: skip
+    engine.shutdown()
+    return results
+
+
+def wall_ms_plain(engine: LLMEngine, length: int, reps: int = 3) -> float:
+    """Median wall time of the step that prefills a fresh prompt of `length` tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = []
+    for _ in range(reps):
+        engine.add_request(prompts(engine, 1, length)[0], params)
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return statistics.median(times)
 
 
 def per_call_us(fn: Callable[[], object], calls: int = 200) -> float:
@@ -241,8 +323,13 @@ def main() -> None:
     parser.add_argument("--modes", default="none,piecewise,full_and_piecewise")
     parser.add_argument("--batch-sizes", default="1,32")
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--sections", default="decode,phases,kernels,pieces,mixed")
+    parser.add_argument(
+        "--sections",
+        default="decode,phases,kernels,pieces,mixed",
+        help="also: host (cProfile of decode steps), prefill (one prompt's kernels)",
+    )
     parser.add_argument("--label", default="", help="a tag for this tree, e.g. a commit")
+    parser.add_argument("--prefill-lengths", default="512,2048,8192", help="prefill section")
     parser.add_argument("--json", help="append every result here as a JSON line")
     parser.add_argument("--no-pdl", action="store_true", help="A/B: launch without PDL")
     parser.add_argument("--no-gemv", action="store_true", help="A/B: cuBLAS for every projection")
@@ -257,8 +344,9 @@ def main() -> None:
     if args.no_gemv:
         importlib.import_module("ostinato.kernels.gemv").MAX_ROWS = 0
     sections = set(args.sections.split(","))
+    lengths = [int(n) for n in args.prefill_lengths.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth() if "decode" in sections else None
     rows = []
 
     def emit(**result) -> None:
@@ -270,6 +358,9 @@ def main() -> None:
                 f.write(json.dumps(result) + "\n")
 
     for mode in args.modes.split(","):
+        if "prefill" in sections:
+            for result in prefill_kernels(args.model, mode, lengths):
+                emit(section="prefill", **result)
         engine = build(args.model, mode)
         for batch in batches:
             if "decode" in sections:
@@ -281,6 +372,8 @@ def main() -> None:
                 emit(mode=mode, batch=batch, section="phases", **phases(engine, batch, 20))
             if "kernels" in sections and batch == 1 and mode != "none":
                 emit(mode=mode, batch=batch, section="kernels", **kernels(engine, batch))
+            if "host" in sections:
+                emit(mode=mode, batch=batch, section="host", **host_profile(engine, batch, 20))
             if "pieces" in sections and mode == "piecewise":
                 emit(mode=mode, batch=batch, section="pieces", **pieces(engine, batch))
         if "mixed" in sections:
@@ -293,7 +386,7 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    skip = {"label", "model", "section", "by_name"}
+    skip = {"label", "model", "section", "by_name", "top"}
     for row in rows:
         fields = "  ".join(
             f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
@@ -306,6 +399,13 @@ def print_table(rows: list[dict]) -> None:
             print(f"kernels of one {row['mode']} decode step ({row['label']}), count, device µs:")
             for name, (count, us) in list(row["by_name"].items())[:14]:
                 print(f"  {count:5d} {us:9.1f}  {name}")
+        if row["section"] == "prefill":
+            print(f"kernels of a {row['tokens']}-token prefill ({row['mode']}), count, device µs:")
+            for name, (count, us) in row["top"].items():
+                print(f"  {count:5d} {us:9.1f}  {name}")
+        if row["section"] == "host":
+            print(f"host time of one {row['mode']} step, batch {row['batch']} ({row['label']}):")
+            print("\n".join(f"  {line}" for line in row["top"]))
 
 
 if __name__ == "__main__":
