@@ -33,14 +33,14 @@ def round_weights_as_fp8(model: torch.nn.Module) -> None:
     """Every linear layer's weight through FP8 at load and back, in its own dtype."""
     for module in model.modules():
         if isinstance(module, Linear) and module.scale is None:
-            w = module.weight.data
-            w.copy_(dequantize(*quantize_rows(w), None).to(w.dtype))
+            for rows in module.weight.data.split(1024):  # a whole 8B matrix in fp32 would OOM
+                rows.copy_(dequantize(*quantize_rows(rows), None).to(rows.dtype))
 
 
 def run(model: str, arm: str, prompts: list[list[int]], tokens: int):
     quantization = "fp8" if arm == "fp8" else None
     llm = LLM(model, quantization=quantization, enforce_eager=True, max_model_len=1024,
-              max_num_seqs=1)  # fmt: skip
+              max_num_seqs=1, gpu_memory_utilization=0.5)  # fmt: skip
     model_ = llm.engine.executor.runner.model
     if arm == "twin":
         round_weights_as_fp8(model_)
