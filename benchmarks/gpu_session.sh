@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_session.sh moe      # the MoE and FP8 GPU tests
 #   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b
 #   bash benchmarks/gpu_session.sh diag     # FP8 vs its twin, host profile, prefill kernels, fusions
+#   bash benchmarks/gpu_session.sh sdpa     # fresh prefill: torch SDPA backends vs ours, the
+#                                           # prefill step's kernels and host profile
 #   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
 #   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
@@ -66,6 +68,15 @@ verify-bench)  # the benches of issues 17-21 on random weights, each under its o
     --len-spread 0.5 --logprobs 0 --json --server-log /tmp/serve.log 2>>"$OUT/bench.err" \
     | tee -a "$OUT/serve.jsonl"
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|traceback" | tail -n 15
+  ;;
+sdpa)  # which attention a fresh prefill should take, and where a prefill step's time goes
+  info | tee "$OUT/env.txt"
+  timeout 200 python3 benchmarks/bench_kernels.py --sections sdpa,prefill --out "$OUT/sdpa.md" \
+    2>>"$OUT/sdpa.err" | tail -n 40
+  timeout 120 python3 benchmarks/profile_step.py --modes full_and_piecewise --batch-sizes 1 \
+    --sections prefill --json "$OUT/profile.jsonl" 2>>"$OUT/sdpa.err" | grep -v '^{' \
+    | tee "$OUT/prefill.log" | grep -A16 "host time"
+  grep -iE "error|traceback" "$OUT/sdpa.err" | tail -n 10
   ;;
 diag)  # where the missed targets lose their time (~6 min): FP8 against its rounded-weight twin,
   # the host profile of an eager decode step, prefill kernels per size, decode fused vs not,

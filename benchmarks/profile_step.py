@@ -135,16 +135,19 @@ def host_profile(engine: LLMEngine, batch: int, steps: int, top: int = 40) -> di
     sync()
     ms = (time.perf_counter() - t0) / steps * 1e3
     finish(engine)
+    return {"step_ms_profiled": ms, "top": top_functions(profiler, steps, top)}
+
+
+def top_functions(profiler: cProfile.Profile, steps: int, top: int) -> list[str]:
+    """The functions with the most own time: file:line function, calls, own and cumulative ms,
+    each per step."""
     stats = pstats.Stats(profiler).stats
     rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    return {
-        "step_ms_profiled": ms,
-        "top": [
-            f"{f.rsplit('/', 2)[-1] if '/' in f else f}:{line} {name} calls/step="
-            f"{nc / steps:.1f} own_ms={tt / steps * 1e3:.3f} cum_ms={ct / steps * 1e3:.3f}"
-            for (f, line, name), (_, nc, tt, ct, _) in rows
-        ],
-    }
+    return [
+        f"{f.rsplit('/', 2)[-1] if '/' in f else f}:{line} {name} calls/step="
+        f"{nc / steps:.1f} own_ms={tt / steps * 1e3:.3f} cum_ms={ct / steps * 1e3:.3f}"
+        for (f, line, name), (_, nc, tt, ct, _) in rows
+    ]
 
 
 def one_decode_step(engine: LLMEngine, batch: int):
@@ -204,6 +207,15 @@ def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
             sync()
         while engine.has_unfinished_requests():
             engine.step()
+        engine.add_request(prompts(engine, 1, length)[0], params)
+        sync()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        engine.step()
+        sync()
+        profiler.disable()
+        while engine.has_unfinished_requests():
+            engine.step()
         device_us: Counter[str] = Counter()
         names: Counter[str] = Counter()
         for e in prof.events():
@@ -214,6 +226,7 @@ def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
             "mode": mode, "tokens": length, "wall_ms": wall_ms,
             "device_ms": sum(device_us.values()) / 1e3, "kernels": sum(names.values()),
             "top": {n: [names[n], round(us, 1)] for n, us in device_us.most_common(10)},
+            "host_top": top_functions(profiler, 1, 15),
         })  # fmt: skip
     engine.shutdown()
     return results
@@ -386,7 +399,7 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    skip = {"label", "model", "section", "by_name", "top"}
+    skip = {"label", "model", "section", "by_name", "top", "host_top"}
     for row in rows:
         fields = "  ".join(
             f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
@@ -403,6 +416,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"kernels of a {row['tokens']}-token prefill ({row['mode']}), count, device µs:")
             for name, (count, us) in row["top"].items():
                 print(f"  {count:5d} {us:9.1f}  {name}")
+            print(f"host time of that prefill step ({row['mode']}), profiled:")
+            print("\n".join(f"  {line}" for line in row["host_top"]))
         if row["section"] == "host":
             print(f"host time of one {row['mode']} step, batch {row['batch']} ({row['label']}):")
             print("\n".join(f"  {line}" for line in row["top"]))
