@@ -538,3 +538,59 @@ def test_cached_launches_follow_each_calls_token_count():
         close(case.q, rotary_64(q_in, case.positions, case.cache), dtype)
         v_rows = case.caches[1].flatten(0, 1)
         assert (~v_rows.isnan()).flatten(1).all(1).sum() == (case.slots >= 0).sum()
+
+
+def _metadata(q_lens, seq_lens, pad_tokens=0):
+    from ostinato.context import AttentionMetadata
+
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    tokens = sum(q_lens) + pad_tokens
+    table = torch.zeros(len(q_lens), 4, dtype=torch.int32)
+    slots = torch.full((tokens,), -1, dtype=torch.int64)
+    return AttentionMetadata(tokens, len(q_lens), starts, lens, table, slots, starts, lens)
+
+
+@pytest.mark.parametrize(
+    "q_lens, seq_lens, expected",
+    [
+        ([8, 8, 8], [8, 8, 8], (3, 8)),  # whole fresh prompts of one length
+        ([8, 8, 0], [8, 8, 0], (2, 8)),  # then a padded request
+        ([8, 8], [8, 9], None),  # one token cached before the second prompt's chunk
+        ([8, 7], [8, 7], None),  # two lengths
+        ([8, 0, 8], [8, 0, 8], None),  # padding between prompts
+        ([1, 1], [5, 9], None),  # decodes
+        ([4, 4], [4, 4], None),  # below SDPA_MIN_TOKENS
+        ([0, 0], [0, 0], None),  # nothing but padding
+    ],
+)
+def test_fresh_prompt_steps_are_recognised(monkeypatch, q_lens, seq_lens, expected):
+    from ostinato.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "SDPA_MIN_TOKENS", 16)
+    assert triton_backend.fresh_prompts(_metadata(q_lens, seq_lens)) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_attend_over_their_own_keys(monkeypatch, dtype):
+    """A step of fresh prompts reads this step's k and v, not the cache (NaN here): each prompt
+    equals causal attention written out in float64, padding rows stay unwritten."""
+    from ostinato.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "SDPA_MIN_TOKENS", 16)
+    prompts, length, heads, kv_heads, dim, pad = 3, 9, 4, 2, 16, 5
+    tokens = prompts * length + pad
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim,
+                                                            kv_heads * dim], 1))  # fmt: skip
+    cache = torch.full((4, 16, kv_heads, dim), NAN, dtype=dtype)
+    out = torch.full((tokens, heads, dim), NAN, dtype=dtype)
+    plan = triton_backend.TritonAttentionBackend().plan(
+        _metadata([length] * prompts, [length] * prompts, pad_tokens=pad)
+    )
+    scale = dim**-0.5
+    plan(q, k, v, out, cache, cache, scale)
+    for p in range(prompts):
+        rows = slice(p * length, (p + 1) * length)
+        close(out[rows], attention_64(q[rows], k[rows], v[rows], scale), dtype, scale=10)
+    assert out[prompts * length :].isnan().all()

@@ -26,12 +26,15 @@ class AttentionPlan(Protocol):
     def __call__(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: this step's, rotated
+        v: torch.Tensor,
         out: torch.Tensor,  # like q, written in place
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         scale: float,
     ) -> None:
-        """Attend causally over the paged KV (this step's k/v are already stored in it)."""
+        """Attend causally over the paged KV (this step's k/v are already stored in it; a
+        backend may read them from k and v instead where nothing precedes them)."""
 
 
 class AttentionBackend(ABC):

@@ -23,7 +23,7 @@ class TorchAttentionBackend(AttentionBackend):
         return partial(_attend, meta)
 
 
-def _attend(meta: AttentionMetadata, q, out, k_cache, v_cache, scale: float) -> None:
+def _attend(meta: AttentionMetadata, q, k, v, out, k_cache, v_cache, scale: float) -> None:
     paged_attention_torch(
         q, k_cache, v_cache, out, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_table,
         scale,

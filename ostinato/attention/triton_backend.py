@@ -1,6 +1,13 @@
-"""Paged attention through the Triton kernels: every size is read on the device."""
+"""Paged attention through the Triton kernels: every size is read on the device. A step of whole
+fresh prompts of one length, large enough that the GPU and not the host sets its time, goes to
+torch's SDPA instead (cuDNN's fused attention on Hopper): it needs no cache, and is 1.2-1.5x our
+kernel's rate there (benchmarks/bench_kernels.py --sections sdpa)."""
 
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ostinato.attention.base import (
     AttentionBackend,
@@ -10,6 +17,17 @@ from ostinato.attention.base import (
 )
 from ostinato.context import AttentionMetadata
 from ostinato.kernels import PagedAttention
+
+# Below this many tokens a fresh-prompt step is bound by the host, where SDPA's per-call
+# dispatch costs more than its faster kernel saves (a single 512-token prompt of qwen3-0.6b).
+SDPA_MIN_TOKENS = 2048
+# cuDNN first; flash, then the memory-efficient kernel (float32) where cuDNN declines
+_SDPA_ORDER = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 @register_attention_backend
@@ -23,13 +41,17 @@ class TritonAttentionBackend(AttentionBackend):
 
 class TritonAttentionPlan:
     """A PagedAttention per layer shape (every layer of a model has the same one), made at the
-    first layer's call and launched by the rest."""
+    first layer's call and launched by the rest; or, for a step of fresh prompts, SDPA."""
 
     def __init__(self, meta: AttentionMetadata) -> None:
         self.meta = meta
         self.launches: dict[tuple, PagedAttention] = {}
+        self.fresh = fresh_prompts(meta)
 
-    def __call__(self, q, out, k_cache, v_cache, scale: float) -> None:
+    def __call__(self, q, k, v, out, k_cache, v_cache, scale: float) -> None:
+        # a capture must not bake one step's lengths into a graph: the paged kernel reads them
+        if self.fresh is not None and not _capturing(q):
+            return causal_prefill(q, k, v, out, *self.fresh, scale)
         key = (q.shape, q.stride(), out.stride(), k_cache.stride(), q.dtype, scale)
         launch = self.launches.get(key)
         if launch is None:
@@ -39,3 +61,38 @@ class TritonAttentionPlan:
             )
             self.launches[key] = launch
         launch(q, k_cache, v_cache, out)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def fresh_prompts(meta: AttentionMetadata) -> tuple[int, int] | None:
+    """(prompts, length) when the step is that many whole prompts of one length with nothing
+    cached before them (the first requests; the rest padding) and at least SDPA_MIN_TOKENS."""
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    q_lens = starts[1:] - starts[:-1]
+    prompts = int((q_lens > 0).sum())
+    if prompts == 0 or (q_lens[prompts:] != 0).any():
+        return None
+    length = int(q_lens[0])
+    real_q, real_kv = q_lens[:prompts], seq_lens[:prompts]
+    if (real_q != length).any() or (real_kv != real_q).any() or prompts * length < SDPA_MIN_TOKENS:
+        return None
+    return prompts, length
+
+
+def causal_prefill(q, k, v, out, prompts: int, length: int, scale: float) -> None:
+    """out = causal attention of each prompt over its own k and v (this step's, rotated), by
+    torch's SDPA on [prompts, heads, length, head_dim] views of the step's rows."""
+    n = prompts * length
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t[:n].view(prompts, length, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    with sdpa_kernel(_SDPA_ORDER, set_priority=True):
+        o = F.scaled_dot_product_attention(
+            heads_first(q), heads_first(k), heads_first(v), is_causal=True, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+    heads_first(out).copy_(o)

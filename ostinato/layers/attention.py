@@ -37,9 +37,9 @@ class Attention(nn.Module):
         slots = ctx.attn_metadata.slot_mapping
         rotary.apply_and_store(positions, q, k, v, k_cache, v_cache, slots, q_norm, k_norm)
         out = torch.empty_like(q)  # allocated before the break so its address is stable
-        return run_outside_graph(self._attend, q, out=out)
+        return run_outside_graph(self._attend, q, k, v, out=out)
 
-    def _attend(self, q: torch.Tensor, out: torch.Tensor) -> None:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ctx.attention(q, out, k_cache, v_cache, self.scale)
+        ctx.attention(q, k, v, out, k_cache, v_cache, self.scale)

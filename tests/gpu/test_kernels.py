@@ -407,3 +407,41 @@ def test_cuda_graph_replays_match_eager(num_tokens, num_reqs, batches):
             block_table=static.block_table,
         )  # fmt: skip
         assert_rel(static.out[:real], reference(batch)[:real])
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1-8b", "qwen3-0.6b"])
+def test_fresh_prompt_steps_through_sdpa_and_captured(shape):
+    """A step of whole fresh prompts goes to torch's SDPA on this step's k and v; the same plan
+    called inside a graph capture takes the paged kernel instead (lengths read on the device).
+    Both equal float64 attention written here."""
+    from ostinato.attention.triton_backend import SDPA_MIN_TOKENS, TritonAttentionBackend
+    from ostinato.context import AttentionMetadata
+
+    prompts, length = 2, SDPA_MIN_TOKENS // 2 + 16
+    batch = make_batch([length] * prompts, [length] * prompts, *SHAPES[shape], pad_tokens=3)
+    rows = torch.arange(length, device="cuda")
+    k, v = (
+        torch.cat(
+            [c[batch["block_table"][i, rows // BLOCK].long(), rows % BLOCK] for i in range(prompts)]
+            + [c[:1, :3].flatten(0, 1)]
+        )  # fmt: skip
+        for c in (batch["k_cache"], batch["v_cache"])
+    )
+    starts, lens = batch["query_start_loc"], batch["seq_lens"]
+    meta = AttentionMetadata(
+        batch["q"].shape[0], prompts, starts, lens, batch["block_table"],
+        torch.full((batch["q"].shape[0],), -1, device="cuda"), starts.cpu(), lens.cpu(),
+    )  # fmt: skip
+    plan = TritonAttentionBackend().plan(meta)
+    assert plan.fresh == (prompts, length)
+    scale = batch["q"].shape[-1] ** -0.5
+    eager = torch.full_like(batch["q"], NAN)
+    plan(batch["q"], k, v, eager, batch["k_cache"], batch["v_cache"], scale)
+    check(batch, eager)
+    check(batch, attend(batch))  # also compiles the paged kernel before the capture
+    graphed = torch.full_like(batch["q"], NAN)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan(batch["q"], k, v, graphed, batch["k_cache"], batch["v_cache"], scale)
+    graph.replay()
+    check(batch, graphed)
