@@ -142,13 +142,13 @@ def build_step(
     num_drafts = np.fromiter((len(d) for d in drafts), np.int64, n) if speculating else 0
     token_ends = ends - num_drafts  # where each request's own tokens end; its drafts follow
     known_ends = np.minimum(token_ends, [len(s.token_ids) for s in seqs])
-    input_ids = np.fromiter(
-        (t for s, d, a, b, unknown in zip(seqs, drafts, starts.tolist(), known_ends.tolist(),
-                                          (token_ends - known_ends).tolist(), strict=True)
-         for t in (s.token_ids[a:b] + [0] * unknown + d if unknown or d else s.token_ids[a:b])),
-        np.int64,
-        batch.num_tokens,
-    )  # fmt: skip
+    ids: list[int] = []  # list.extend copies in C: a per-token generator cost ~1 ms at 8k tokens
+    for s, d, a, b, unknown in zip(seqs, drafts, starts.tolist(), known_ends.tolist(),
+                                   (token_ends - known_ends).tolist(), strict=True):  # fmt: skip
+        ids += s.token_ids[a:b]
+        ids += [0] * unknown
+        ids += d
+    input_ids = np.array(ids, dtype=np.int64)
     req_of_token = np.repeat(np.arange(n), q)
     positions = np.arange(batch.num_tokens) - (query_start_loc[:n] - starts)[req_of_token]
     block_table = np.zeros((n, max(len(s.block_ids) for s in seqs)), dtype=np.int32)
