@@ -155,7 +155,7 @@ def lazy_capture(args) -> dict:
     sizes = llm.engine.runner.graphs.dispatcher.capture_sizes()
     two = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for n in sizes["piecewise"]:  # smallest first, as serving meets them
-        if n > 1:
+        if 1 < n < args.max_model_len:  # a prompt of max_model_len tokens leaves none to sample
             llm.generate([torch.randint(0, 30000, (n,), generator=g).tolist()], two, False)
     for n in sizes["full"]:
         llm.generate([[100 + i] for i in range(n)], two, use_tqdm=False)
