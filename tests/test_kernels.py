@@ -594,3 +594,22 @@ def test_fresh_prompts_attend_over_their_own_keys(monkeypatch, dtype):
         rows = slice(p * length, (p + 1) * length)
         close(out[rows], attention_64(q[rows], k[rows], v[rows], scale), dtype, scale=10)
     assert out[prompts * length :].isnan().all()
+
+
+def test_graph_warm_ups_and_captures_keep_the_paged_kernel(monkeypatch):
+    """A graph's warm-up (variants recording) must launch what its capture will: the paged
+    kernel, never SDPA, whatever the batch looks like."""
+    from ostinato.attention import triton_backend
+    from ostinato.kernels import variants
+
+    monkeypatch.setattr(triton_backend, "SDPA_MIN_TOKENS", 16)
+    sdpa_calls = []
+    monkeypatch.setattr(triton_backend, "causal_prefill", lambda *a: sdpa_calls.append(a))
+    q, k = torch.randn(16, 2, 16), torch.randn(16, 1, 16)
+    cache = torch.zeros(4, 16, 1, 16)
+    plan = triton_backend.TritonAttentionBackend().plan(_metadata([8, 8], [8, 8]))
+    with variants.recording():
+        plan(q, k, k, torch.empty_like(q), cache, cache, 0.25)
+    assert not sdpa_calls
+    plan(q, k, k, torch.empty_like(q), cache, cache, 0.25)
+    assert len(sdpa_calls) == 1

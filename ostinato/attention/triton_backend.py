@@ -16,7 +16,7 @@ from ostinato.attention.base import (
     register_attention_backend,
 )
 from ostinato.context import AttentionMetadata
-from ostinato.kernels import PagedAttention
+from ostinato.kernels import PagedAttention, variants
 
 # Below this many tokens a fresh-prompt step is bound by the host, where SDPA's per-call
 # dispatch costs more than its faster kernel saves (a single 512-token prompt of qwen3-0.6b).
@@ -49,8 +49,9 @@ class TritonAttentionPlan:
         self.fresh = fresh_prompts(meta)
 
     def __call__(self, q, k, v, out, k_cache, v_cache, scale: float) -> None:
-        # a capture must not bake one step's lengths into a graph: the paged kernel reads them
-        if self.fresh is not None and not _capturing(q):
+        # a capture must not bake one step's lengths into a graph (the paged kernel reads them),
+        # and a graph's warm-up must launch the kernels its capture will
+        if self.fresh is not None and variants.mode is None and not _capturing(q):
             return causal_prefill(q, k, v, out, *self.fresh, scale)
         key = (q.shape, q.stride(), out.stride(), k_cache.stride(), q.dtype, scale)
         launch = self.launches.get(key)
