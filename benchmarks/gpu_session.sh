@@ -71,6 +71,14 @@ verify-bench)  # the benches of issues 17-21 on random weights, each under its o
   ;;
 sdpa)  # which attention a fresh prefill should take, and where a prefill step's time goes
   info | tee "$OUT/env.txt"
+  for arm in sdpa no-sdpa; do  # the engine's prefill step with and without the SDPA path
+    flag=$([ $arm = no-sdpa ] && echo --no-sdpa)
+    # shellcheck disable=SC2086
+    timeout 150 python3 benchmarks/profile_step.py --modes none,full_and_piecewise \
+      --sections prefill --prefill-lengths 2048,4096,8192 --label $arm $flag \
+      --json "$OUT/profile.jsonl" 2>>"$OUT/sdpa.err" | grep -v '^{' | grep " prefill "
+  done
+  [ -n "${AB_ONLY:-}" ] && exit 0
   timeout 200 python3 benchmarks/bench_kernels.py --sections sdpa,prefill --out "$OUT/sdpa.md" \
     2>>"$OUT/sdpa.err" | tail -n 40
   timeout 120 python3 benchmarks/profile_step.py --modes full_and_piecewise --batch-sizes 1 \

@@ -349,7 +349,12 @@ def main() -> None:
     parser.add_argument(
         "--no-fuse", action="store_true", help="A/B: small-batch projections without the norms"
     )
+    parser.add_argument(
+        "--no-sdpa", action="store_true", help="A/B: fresh prompts through the paged kernel"
+    )
     args = parser.parse_args()
+    if args.no_sdpa:
+        importlib.import_module("ostinato.attention.triton_backend").SDPA_MIN_TOKENS = 1 << 62
     if args.no_pdl:
         importlib.import_module("ostinato.kernels.dispatch").PDL = False
     if args.no_fuse:
