@@ -74,7 +74,7 @@ sdpa)  # which attention a fresh prefill should take, and where a prefill step's
   for arm in sdpa no-sdpa; do  # the engine's prefill step with and without the SDPA path
     flag=$([ $arm = no-sdpa ] && echo --no-sdpa)
     # shellcheck disable=SC2086
-    timeout 150 python3 benchmarks/profile_step.py --modes none,full_and_piecewise \
+    timeout 150 python3 benchmarks/profile_step.py --modes "${AB_MODES:-none,full_and_piecewise}" \
       --sections prefill --prefill-lengths 2048,4096,8192 --label $arm $flag \
       --json "$OUT/profile.jsonl" 2>>"$OUT/sdpa.err" | grep -v '^{' | grep " prefill "
   done
