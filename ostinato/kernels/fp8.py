@@ -135,9 +135,10 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     takes in about 13 FP8 weights a cycle and each costs 4-5 instructions in the loop (Triton
     3.9's SASS for sm_90: 4.0 at 16 rows and 5.3 at 32 with 128 weight rows a program, 4.8
     and 6.2 with 64), about 2 of the 4 instructions an SM can issue a cycle: so 128 weight
-    rows a program, and enough programs for two or more per SM (each keeps num_stages - 1
-    chunks of 16 KB in flight) by splitting K, each split at least 4 chunks so the pipeline
-    fills and the fp32 partials stay small beside the weights."""
+    rows a program, and K split until there are about two programs per SM, not more (each
+    keeps only num_stages - 1 chunks of 16 KB in flight, so a second wave's few programs would
+    leave the memory idle), each split at least 4 chunks so the pipeline fills and the fp32
+    partials stay small beside the weights."""
     if m < DOT_ROWS:
         rows, block_k, warps, stages = 1, 512, 4, 1
         block_n = max(1, min(16, triton.next_power_of_2(n) // _PROGRAMS))
@@ -145,7 +146,7 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     else:
         rows, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 128, 128, 4, 4
         tiles = triton.cdiv(n, block_n)
-        split = max(1, min(triton.cdiv(2 * sms, tiles), k // (4 * block_k)))
+        split = max(1, min(2 * sms // tiles, k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
         block_k = min(block_k, block[1])
     span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
