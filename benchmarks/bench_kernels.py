@@ -4,8 +4,9 @@
 
 Measures the device-to-device copy bandwidth and the bf16 matmul rate (the two ceilings),
 decode and prefill paged attention in a Llama-3.1-8B layer shape against them, the fused
-norm / RoPE + KV store / activation kernels against the torch sequences they replace, and the
-small-batch projection kernel against cuBLAS. Kernels are timed inside CUDA graphs, as the
+norm / RoPE + KV store / activation kernels against the torch sequences they replace, the
+small-batch projection kernel against cuBLAS, and (`fp8`) the FP8 small-batch kernel against
+the one it replaced, bf16 cuBLAS and the copy floor. Kernels are timed inside CUDA graphs, as the
 engine runs them: no launch overhead, and each captured call reads its own KV blocks or
 weights so the L2 cache cannot serve repeats. The `sweep` section also times other launch
 configurations of the attention kernel, to tune `choose_config`.
@@ -25,13 +26,14 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ostinato.kernels import fused_add_rms_norm, rms_norm, rope_and_store, silu_and_mul
+from ostinato.kernels import fp8, fused_add_rms_norm, rms_norm, rope_and_store, silu_and_mul
 from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.gemv import gemv
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.rope_store import rotary_torch
 
 attention = importlib.import_module("ostinato.kernels.paged_attention")
+fp8_gemv_before = importlib.import_module("fp8_gemv_before")  # benchmarks/, beside this file
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
 HIDDEN, INTERMEDIATE = 4096, 14336
@@ -327,6 +329,115 @@ def _short(config) -> str:
     return ", ".join(f"{name}={value}" for name, value in config._asdict().items())
 
 
+# ---- FP8 weights ---------------------------------------------------------------------------
+
+FP8_SHAPES = {  # llama-3.1-8b's projections: (weight rows, K)
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate|up": (28672, 4096),
+    "down": (4096, 14336),
+}
+
+
+def _ring(n: int, k: int, fp8_weights: bool) -> list:
+    """Weights for back-to-back calls, together larger than L2: FP8 (weight, per-row scale)
+    pairs, or bfloat16 weights."""
+    count = max(4, min(64, L2_FLUSH_BYTES // (n * k * (1 if fp8_weights else 2))))
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    return [fp8.quantize_rows(w) for w in weights] if fp8_weights else weights
+
+
+def _ring_seconds(ring: list, call: Callable) -> float:
+    return graph_seconds([lambda pair=pair: call(*pair) for pair in ring])
+
+
+def fp8_rows(copy_bw: float) -> list[list[str]]:
+    """Llama-3.1-8B's projections on FP8 weights (per-row scales, bfloat16 x): our kernel in
+    its chosen configuration, the kernel it replaced (up to its 8 rows; above them the
+    _scaled_mm path fp8_linear took, x quantised per token), a bfloat16 cuBLAS matmul of the
+    same shape, and the floor: the FP8 weights and scales read at copy bandwidth."""
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (n, k) in FP8_SHAPES.items():
+        ring, bf16 = _ring(n, k, True), _ring(n, k, False)
+        weight_bytes = n * k + 4 * n
+        floor = weight_bytes / copy_bw
+        for m in (1, 8, 32):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            small = m <= fp8_gemv_before.ROWS
+            before = fp8_gemv_before.gemv_before if small else fp8._scaled_mm
+            ours = _ring_seconds(ring, lambda w, s, x=x: fp8.fp8_gemv(x, w, s))
+            old = _ring_seconds(ring, lambda w, s, x=x, before=before: before(x, w, s))
+            cublas = graph_seconds([lambda w=w, x=x: F.linear(x, w) for w in bf16])
+            config = fp8.gemv_config(m, n, k, None, sms)
+            rows.append([
+                name, str(m), f"{weight_bytes / 1e6:.1f}", f"{ours * 1e6:.2f}",
+                _fp8_short(config), f"{old * 1e6:.2f}", f"{cublas * 1e6:.2f}",
+                f"{floor * 1e6:.2f}", f"{weight_bytes / ours / copy_bw:.2f}",
+                f"{old / ours:.2f}x", f"{cublas / ours:.2f}x",
+            ])  # fmt: skip
+        del ring, bf16
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_sweep_rows(copy_bw: float) -> list[list[str]]:
+    """Other launch configurations of the FP8 small-batch kernel on Llama-3.1-8B's projections
+    at 1 and 32 rows, the five fastest of each first (of copy: the weight bytes a second over
+    the copy rate), to tune gemv_config. One row: the FMA path at other widths and splits,
+    and tl.dot's; 32 rows: tl.dot at other tile widths, warps and splits."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, (n, k) in FP8_SHAPES.items():
+        ring = _ring(n, k, True)
+        for m in (1, 32):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            default = fp8.gemv_config(m, n, k, None, sms)
+            timed = []
+            for config in dict.fromkeys([default, *_fp8_variants(m, n, k, default)]):
+                try:
+                    seconds = _ring_seconds(
+                        ring, lambda w, s, x=x, c=config: fp8.fp8_gemv(x, w, s, config=c)
+                    )
+                except Exception as error:  # a configuration the compiler rejects
+                    print(f"fp8 {name} {m} {config}: {type(error).__name__}")
+                    continue
+                timed.append((seconds, config))
+            timed.sort(key=lambda pair: pair[0])
+            for seconds, config in timed[:5] + [t for t in timed[5:] if t[1] == default]:
+                mark = " (default)" if config == default else ""
+                rows.append([
+                    f"{name} x {m}", _fp8_short(config) + mark, f"{seconds * 1e6:.2f}",
+                    f"{(n * k + 4 * n) / seconds / copy_bw:.2f}",
+                ])  # fmt: skip
+        del ring
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _fp8_variants(m: int, n: int, k: int, default) -> list:
+    def config(rows, block_n, block_k, split, warps, stages):
+        span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        return fp8.GemvConfig(rows, block_n, block_k, span, triton.cdiv(k, span), warps, stages)
+
+    rows = max(16, triton.next_power_of_2(m))
+    if m > 1:
+        return [config(rows, block_n, 128, split, warps, 4)
+                for block_n, warps in ((128, 4), (64, 4), (128, 8))
+                for split in (1, 2, 4, 8)]  # fmt: skip
+    return [config(1, block_n, 512, split, 4, 1)
+            for block_n in (8, 16, 32)
+            for split in (default.split, 2 * default.split)] + [
+        config(rows, 128, 128, split, 4, 4) for split in (4, 8)
+    ]  # fmt: skip
+
+
+def _fp8_short(config) -> str:
+    kind = "fma" if config.rows == 1 else f"dot {config.rows} rows"
+    return (f"{kind}, {config.block_n} x {config.block_k}, split {config.split}, "
+            f"{config.num_warps} warps, {config.num_stages} stages")  # fmt: skip
+
+
 # ---- report ------------------------------------------------------------------------------
 
 
@@ -393,7 +504,8 @@ def main() -> None:
         default="decode,prefill,fused,gemv",
         help="comma-separated: decode, prefill, fused, gemv, sweep (launch configurations), "
         "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
-        "backends against ours)",
+        "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
+        "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
@@ -461,6 +573,35 @@ def main() -> None:
                 ],
                 gemv_rows(copy_bw),
             )  # fmt: skip
+        )
+    if "fp8" in chosen:
+        sections.append(
+            "## FP8 weights, small batches (Llama-3.1-8B projections, per-row scales, bf16 x; "
+            "µs per call in a CUDA graph; floor: the FP8 weights read at copy bandwidth)\n\n"
+            + table(
+                [
+                    "weight",
+                    "rows",
+                    "FP8 MB",
+                    "ours µs",
+                    "ours: launch",
+                    "before µs",
+                    "bf16 cuBLAS µs",
+                    "floor µs",
+                    "ours of copy",
+                    "vs before",
+                    "vs bf16",
+                ],
+                fp8_rows(copy_bw),
+            )  # fmt: skip
+            + "\n\nbefore: the kernel this one replaced (`benchmarks/fp8_gemv_before.py`) up to "
+            "8 rows; above, `_scaled_mm` (x quantised per token, cuBLAS FP8), which fp8_linear "
+            "took there."
+        )
+    if "fp8-sweep" in chosen:
+        sections.append(
+            "## FP8 small-batch kernel launch configurations (fastest first)\n\n"
+            + table(["case", "config", "µs", "of copy"], fp8_sweep_rows(copy_bw))
         )
     if "sweep" in chosen:
         sections.append(

@@ -10,7 +10,7 @@ from helpers import make_hf_checkpoint
 from oracle import oracle_prompts, run_ostinato
 
 from ostinato import LLM
-from ostinato.kernels.fp8 import fp8_linear, quantize_rows
+from ostinato.kernels.fp8 import GEMV_ROWS, fp8_linear, quantize_rows
 from ostinato.loader import load_hf_config
 
 
@@ -86,8 +86,7 @@ def float64_linear(x, q, scale, block):
 
 @pytest.mark.parametrize(
     "path, rows, blockwise",
-    [("torch", 5, False), ("torch", 5, True), ("triton", 1, False), ("triton", 7, False),
-     ("triton", 3, True), ("triton", 40, True)],  # the GEMV up to 8 rows, the tiled GEMM above
+    [("torch", 5, False), ("torch", 5, True), ("triton", 40, True)],  # the tiled block GEMM
 )  # fmt: skip
 def test_fp8_linear_equals_float64_math(monkeypatch, path, rows, blockwise):
     if path == "triton":
@@ -102,12 +101,52 @@ def test_fp8_linear_equals_float64_math(monkeypatch, path, rows, blockwise):
     block = (128, 128) if blockwise else None
     want = float64_linear(x, q, scale, 128 if blockwise else None)
     # the interpreter's tl.dot mishandles bfloat16: the GEMM's bfloat16 runs in tests/gpu
-    dtypes = ((torch.float32, 1e-5),) + (() if rows > 8 else ((torch.bfloat16, 2**-7),))
+    dtypes = ((torch.float32, 1e-5),) + (() if path == "triton" else ((torch.bfloat16, 2**-7),))
     for dtype, tol in dtypes:
         got = fp8_linear(x.to(dtype), q, scale, block=block).double()
         exact = float64_linear(x.to(dtype), q, scale, 128 if blockwise else None)
         # within the rounding of the output dtype, relative to the output's size
         torch.testing.assert_close(got, exact, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, block",
+    [
+        (1, 5, 5120, None),  # one row: FMAs; K split in two, every chunk whole
+        (1, 20, 300, (16, 64)),  # block-wise, blocks cut at both edges
+        (3, 161, 2100, None),  # tl.dot on 16 padded rows, K split in four, edges masked
+        (3, 161, 1100, (128, 128)),
+        (16, 256, 1024, None),  # every tile whole
+        (17, 161, 1100, (128, 128)),  # 32 padded rows
+        (17, 130, 520, (64, 32)),
+    ],
+)  # fmt: skip
+def test_fp8_gemv_equals_float64_math(monkeypatch, rows, n, k, block):
+    """The small-batch kernel (up to GEMV_ROWS rows) on FP8 weights of every magnitude
+    (subnormals included) and random scales, one per row or per block, against x @ (w *
+    scale).T in float64; x a view with a row stride of its own."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert rows <= GEMV_ROWS
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, k + 5, generator=g)[:, :k]
+    magnitudes = 2.0 ** (torch.rand(n, k, generator=g) * 20 - 12)  # 2^-12 .. 2^8
+    q = (torch.randn(n, k, generator=g) * magnitudes).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if block is None:
+        scale = torch.rand(n, 1, generator=g) + 0.5
+        expanded = scale.double()
+    else:
+        scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5
+        expanded = scale.double().repeat_interleave(block[0], 0)[:n]
+        expanded = expanded.repeat_interleave(block[1], 1)[:, :k]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
+        want = x.to(dtype).double() @ (q.double() * expanded).T
+        got = fp8_linear(x.to(dtype), q, scale, block=block)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        # within the output dtype's rounding, relative to the output's size
+        size = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * size)
+        again = fp8_linear(x.to(dtype), q, scale, block=block)  # a split leaves its counts at 0
+        torch.testing.assert_close(again, got, rtol=0, atol=0)
 
 
 def test_quantize_rows_keeps_each_row_within_fp8_rounding():

@@ -1,9 +1,11 @@
 """x @ dequant(w).T for FP8 (float8_e4m3fn) weights with float32 scales: one per output row
 (FP8 at load) or one per (block_n x block_k) block (block-wise checkpoints).
 
-Small batches (decode) are bound by reading the weights: a Triton GEMV reads the FP8 bytes and
-scales them in registers, x stays in the model dtype (weight-only: as exact as the dequantised
-reference up to the order of the sum). Larger batches: per-row scales go through
+Small batches (decode, up to GEMV_ROWS rows) are bound by reading the weights: a Triton kernel
+reads the FP8 bytes and widens them in registers, x stays in the model dtype (weight-only: as
+exact as the dequantised reference up to the order of the sum). One row by FMAs and a sum,
+more rows by tl.dot on x padded to 16 or 32 rows; K split over programs where the weight has
+too few rows to fill the GPU (see gemv_config). Larger batches: per-row scales go through
 torch._scaled_mm (x quantised per token to FP8, dynamic scales; bfloat16 models, float32 ones
 dequantise); block scales through a Triton GEMM that scales each tile. On the CPU: dequantise,
 then the same matmul, so CI tests the math.
@@ -11,17 +13,25 @@ then the same matmul, so CI tests the math.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels import variants
+from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.launch import Launch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GEMV_ROWS = 8  # up to here the GEMV; above it _scaled_mm or the tiled GEMM
-_PROGRAMS = 512
+GEMV_ROWS = 32  # up to here _fp8_gemv_kernel; above it _scaled_mm or the tiled GEMM
+DOT_ROWS = 2  # from here that kernel's rows go through tl.dot
+MAX_SPAN = 4096  # one row: longer weight rows split over programs
+_PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
+_SEMAPHORES = 1 << 14  # counts per device for split launches: column tiles of one launch
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +64,8 @@ def fp8_linear(
         y = _gemm(x, w, scale, block)
     elif big and x.is_cuda:
         y = _scaled_mm(x, w, scale)
-    else:  # the interpreter has no _scaled_mm
-        y = _gemv(x, w, scale, block)
+    else:  # small batches; and large ones in the interpreter, which has no _scaled_mm
+        y = fp8_gemv(x, w, scale, block)
     return y if bias is None else y.add_(bias)
 
 
@@ -103,59 +113,263 @@ def _quantize_tokens_kernel(
         tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
 
 
-@jit(do_not_specialize=["M"])
+class GemvConfig(NamedTuple):
+    rows: int  # rows per program: M padded for tl.dot (>= 16), or 1 (FMAs and a sum)
+    block_n: int  # weight rows (output columns) per program
+    block_k: int  # K columns per step
+    span: int  # K columns per split (a multiple of block_k)
+    split: int  # programs along K; their fp32 partials are summed by the last to finish
+    num_warps: int
+    num_stages: int
+
+
+def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int) -> GemvConfig:
+    """The launch configuration of _fp8_gemv_kernel, from shapes alone (fixed under a graph).
+
+    One row: FMAs, as kernels/gemv.py does for bf16 weights (2.5 TB/s on the H100): few weight
+    rows per program, so about _PROGRAMS programs hold the loads in flight, and the span
+    unrolled in chunks of 512 columns so all of them issue at once; gemv.py lost at K = 8192,
+    so rows longer than MAX_SPAN split.
+    More rows: tl.dot on x padded to 16 or 32 rows, the tensor cores' smallest tile (32 FMAs
+    per weight would leave the FMA units short of the memory rate). At the copy rate an SM
+    takes in about 13 FP8 weights a cycle and each costs 4-5 instructions in the loop (Triton
+    3.9's SASS for sm_90: 4.0 at 16 rows and 5.3 at 32 with 128 weight rows a program, 4.8
+    and 6.2 with 64), about 2 of the 4 instructions an SM can issue a cycle: so 128 weight
+    rows a program, and K split until there are about two programs per SM, not more (each
+    keeps only num_stages - 1 chunks of 16 KB in flight, so a second wave's few programs would
+    leave the memory idle), each split at least 4 chunks so the pipeline fills and the fp32
+    partials stay small beside the weights."""
+    if m < DOT_ROWS:
+        rows, block_k, warps, stages = 1, 512, 4, 1
+        block_n = max(1, min(16, triton.next_power_of_2(n) // _PROGRAMS))
+        split = triton.cdiv(k, MAX_SPAN)
+    else:
+        rows, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 128, 128, 4, 4
+        tiles = triton.cdiv(n, block_n)
+        split = max(1, min(2 * sms // tiles, k // (4 * block_k)))
+    if block is not None:  # a chunk lies within one scale block
+        block_k = min(block_k, block[1])
+    span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, span)
+    if triton.cdiv(n, block_n) > _SEMAPHORES:
+        span, split = triton.cdiv(k, block_k) * block_k, 1
+    return GemvConfig(rows, block_n, block_k, span, split, warps, stages)
+
+
+@jit
+def _bf16_from_fp8(w):
+    """FP8 e4m3 -> bfloat16 by moving bits. Triton's conversion takes three conversion
+    instructions per pair of weights (e4m3x2 -> f16x2, then f16 -> bf16 each), and an SM
+    issues 16 conversions a cycle against the ~13 weights a cycle the copy rate brings it;
+    these are integer ops and a packed bf16 multiply. Each 16-bit half takes the byte's
+    exponent and mantissa as the low bits of a bf16 exponent and the top of its mantissa: the
+    value times 2^-120 (FP8 subnormals land on bf16 subnormals, exactly), which one packed
+    multiply by 2^120 restores; adding -0 keeps the sign of zero. (The NaN byte, which
+    quantisation never writes, reads as 480.)"""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 a<2>, b<2>, e, z;
+        mov.b32 e, 0x7b807b80;
+        mov.b32 z, 0x80008000;
+        prmt.b32 a0, 0, $2, 0x5140;
+        prmt.b32 a1, 0, $2, 0x7362;
+        and.b32 b0, a0, 0x7fff7fff;
+        and.b32 b1, a1, 0x7fff7fff;
+        shr.b32 b0, b0, 4;
+        shr.b32 b1, b1, 4;
+        lop3.b32 b0, b0, 0x80008000, a0, 0xf8;
+        lop3.b32 b1, b1, 0x80008000, a1, 0xf8;
+        fma.rn.bf16x2 $0, b0, e, z;
+        fma.rn.bf16x2 $1, b1, e, z;
+        }
+        """,
+        constraints="=r,=r,r",
+        args=[w.to(tl.uint8, bitcast=True)],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@jit(do_not_specialize=["M"])  # one compiled kernel serves every batch of the same padding
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-    BLOCK_SN: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+    stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPAN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr,
+    BLOCKWISE: tl.constexpr, F32_DOT: tl.constexpr, BIT_MOVES: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_N output columns per program over the whole K, for M <= ROWS rows (M at run
-    time: one compiled kernel per weight shape serves every decode batch up to ROWS).
-    BLOCKWISE: chunk c of BLOCK_K columns lies in scale column c (BLOCK_K is the block's
-    width), rows n in scale row n // BLOCK_SN; else one scale per row, applied at the end."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    """y[:M] for BLOCK_N weight rows over SPAN columns of K (split program_id(1) of SPLIT).
+
+    ROWS == 1: FMAs into a [BLOCK_N, BLOCK_K] tile of terms, summed once after the last
+    chunk, the chunks unrolled so all their loads are in flight. Else tl.dot of x's
+    [ROWS, BLOCK_K] (rows from M on masked to 0) with the widened weight tile, transposed, in
+    a pipelined loop (Triton stages the FP8 tile in shared memory and widens it after
+    ldmatrix). BLOCKWISE: chunk k0 lies in scale column k0 // BLOCK_SK, row n in scale row
+    n // BLOCK_SN, and each chunk's product is scaled; else one scale per row, applied once at
+    the end. F32_DOT: the dot in float32 (float32 models; the interpreter, whose bfloat16 dot
+    is wrong); BIT_MOVES: bfloat16 weights by _bf16_from_fp8. EVEN: no masks on the weights.
+
+    SPLIT > 1: each program stores its fp32 partial in part_ptr [SPLIT, M, N] and counts
+    itself in sem_ptr[tile]; the last of a tile's programs sums the partials in split order
+    (the same sum on every run), resets the count to 0 for the next call and stores y. No
+    program waits for another, and the count is the kernel's own: the next kernel on the
+    stream starts its work only after this one completes (PDL's gdc_wait included)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
+    k_lo = tl.program_id(1) * SPAN
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + (cols // BLOCK_SN).to(tl.int64) * stride_sn
-    for c in tl.static_range(CHUNKS):
-        kk = c * BLOCK_K + k
-        ok = col_ok[:, None] & (kk < K)[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-        if BLOCKWISE:
-            w = w * tl.load(s_rows + c, mask=col_ok, other=0.0)[:, None]
-        for m in range(M):
-            xm = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
-            row = rows[:, None] == m
-            acc = tl.where(row, acc + tl.sum(w * xm[None, :], axis=1)[None, :], acc)
+    s_cols = s_ptr + (cols // BLOCK_SN).to(tl.int64) * stride_sn
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    if ROWS == 1:
+        # the first chunk of weights, which no kernel writes, is read while the one before
+        # drains
+        w = _load_weights(w_rows, k_lo + k, col_ok, K, EVEN)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        terms = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # summed once, after the last chunk
+        for c in tl.static_range(SPAN // BLOCK_K):
+            kk = k_lo + c * BLOCK_K + k
+            if c > 0:
+                w = _load_weights(w_rows, kk, col_ok, K, EVEN)
+            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if BLOCKWISE:
+                s = tl.load(s_cols + (k_lo + c * BLOCK_K) // BLOCK_SK, mask=col_ok, other=0.0)
+                terms += w.to(tl.float32) * x[None, :] * s[:, None]
+            else:
+                terms += w.to(tl.float32) * x[None, :]
+        acc += tl.sum(terms, axis=1)[None, :]
+    else:
+        if PDL:  # the pipelined loop issues its first loads before the loop: all after this
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x_rows = x_ptr + rows[:, None] * stride_xm
+        for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
+            kk = k0 + k
+            w = _load_weights(w_rows, kk, col_ok, K, EVEN)
+            x_ok = (rows < M)[:, None] if EVEN else (rows < M)[:, None] & (kk < K)[None, :]
+            x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
+            if F32_DOT:
+                x, wt = x.to(tl.float32), tl.trans(w.to(tl.float32))
+            elif BIT_MOVES:
+                wt = tl.trans(_bf16_from_fp8(w))
+            else:
+                wt = tl.trans(w.to(x.dtype))
+            if BLOCKWISE:
+                s = tl.load(s_cols + k0 // BLOCK_SK, mask=col_ok, other=0.0)
+                acc += tl.dot(x, wt, input_precision="ieee") * s[None, :]
+            else:
+                acc = tl.dot(x, wt, acc, input_precision="ieee")
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    if SPLIT > 1:
+        parts = part_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(parts + tl.program_id(1) * M * N, acc, mask=ok)
+        tl.debug_barrier()  # every thread's partial stored before the count releases them
+        sem = sem_ptr + tl.program_id(0)
+        last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
+        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for split in tl.static_range(SPLIT):  # .cg: from L2, where the other SMs wrote
+            acc += tl.load(parts + split * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(sem, 0, mask=last)
     if not BLOCKWISE:
-        acc = acc * tl.load(s_rows, mask=col_ok, other=0.0)[None, :]
-    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & col_ok[None, :])
+        acc *= tl.load(s_cols, mask=col_ok, other=0.0)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
 
 
-def _gemv(x, w, scale, block):
+@jit
+def _load_weights(w_rows, kk, col_ok, K, EVEN: tl.constexpr):
+    """Columns kk of the weight rows; EVEN: every row and column is in bounds, no masks."""
+    if EVEN:
+        return tl.load(w_rows + kk[None, :])
+    return tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
+
+
+_launches: dict[tuple, tuple[Launch, GemvConfig]] = {}  # per shape, as kernels/gemv.py keeps
+_semaphores: dict[torch.device, torch.Tensor] = {}
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """fp8_linear's small-batch kernel (Triton only), in gemv_config's launch configuration
+    or the one given (benchmarks time others)."""
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_k = block[1] if block else min(512, triton.next_power_of_2(k))
-    block_n = max(1, min(16, triton.next_power_of_2(n) // _PROGRAMS))
-    if block:
-        block_n = min(block_n, block[0])
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, scale, y, m, n, k, x.stride(0), w.stride(0), scale.stride(0), y.stride(0),
-        ROWS=GEMV_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        CHUNKS=triton.cdiv(k, block_k), BLOCK_SN=block[0] if block else 1,
-        BLOCKWISE=block is not None, num_warps=4, **pdl_options(),
-    )  # fmt: skip
+    key = (x.device, x.dtype, m, n, k, x.stride(0), w.stride(0), scale.stride(0), block, config,
+           interpreting())  # fmt: skip
+    entry = _launches.get(key)
+    if entry is None:
+        config = config or gemv_config(m, n, k, block, _num_sms(x.device))
+        entry = _launches[key] = (_launch(x, w, scale, block, config), config)
+    launch, config = entry
+    part = sem = x  # unused without a split
+    if config.split > 1:
+        part = torch.empty(config.split, m, n, dtype=torch.float32, device=x.device)
+        sem = _semaphores_on(x.device)
+    launch(x, w, scale, y, part, sem)
     return y
+
+
+def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
+    m, k = x.shape
+    n = w.shape[0]
+    # no masks where every tile is whole: the loop stops at K, the unrolled span does not
+    whole_k = config.span if config.rows == 1 else config.block_k
+    pdl = pdl_options()
+    return Launch(
+        _fp8_gemv_kernel,
+        (triton.cdiv(n, config.block_n), config.split, 1),
+        num_head=6,  # x, weight, scale, y, partials, counts
+        tail=(m, n, k, x.stride(0), w.stride(0), scale.stride(0), n),
+        constexprs=dict(
+            ROWS=config.rows,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            SPAN=config.span,
+            SPLIT=config.split,
+            BLOCK_SN=block[0] if block else 1,
+            BLOCK_SK=block[1] if block else 1,
+            BLOCKWISE=block is not None,
+            F32_DOT=x.dtype == torch.float32 or interpreting(),
+            BIT_MOVES=x.dtype == torch.bfloat16 and not interpreting(),
+            EVEN=n % config.block_n == 0 and k % whole_k == 0,
+            PDL=pdl["PDL"],
+        ),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        launch_pdl=pdl["launch_pdl"],
+    )
+
+
+def _semaphores_on(device: torch.device) -> torch.Tensor:
+    """The split launches' counts on this device, zero between launches. Allocated once, at a
+    first call outside graph capture: a capture would record the zeroing, not run it."""
+    counts = _semaphores.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise variants.ColdKernel("fp8 GEMV: a split launch must run once before capture")
+        counts = _semaphores[device] = torch.zeros(_SEMAPHORES, dtype=torch.int32, device=device)
+    return counts
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so CPU tests see split K
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @jit

@@ -9,7 +9,7 @@ from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
 from test_quantization import float64_linear, fp8_pair, quantize_blocks  # noqa: F401 (fixture)
 
-from ostinato.kernels.fp8 import fp8_linear, quantize_rows, quantize_tokens
+from ostinato.kernels.fp8 import GEMV_ROWS, fp8_linear, quantize_rows, quantize_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -22,20 +22,34 @@ def weights(rows: int, n: int = 1024, k: int = 512, blockwise: bool = False):
     return x, q, scale
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 40, 300])
+@pytest.mark.parametrize("rows, k", [(1, 512), (1, 8192), (3, 512), (8, 4096), (16, 512),
+                                     (32, 4096), (40, 512), (300, 512)])  # fmt: skip
 @pytest.mark.parametrize("blockwise", [False, True])
-def test_fp8_linear_equals_float64_math(rows, blockwise):
-    x, q, scale = weights(rows, blockwise=blockwise)
+def test_fp8_linear_equals_float64_math(rows, k, blockwise):
+    """K = 4096 and 8192: the small-batch kernel splits K."""
+    x, q, scale = weights(rows, k=k, blockwise=blockwise)
     block = (128, 128) if blockwise else None
     want = float64_linear(x.bfloat16(), q, scale, 128 if blockwise else None)
     got = fp8_linear(x.bfloat16().cuda(), q.cuda(), scale.cuda(), block=block).double().cpu()
     size = want.abs().max().item()
-    if blockwise or rows <= 8:  # weight-only: within bfloat16 rounding of the output
+    if blockwise or rows <= GEMV_ROWS:  # weight-only: within bfloat16 rounding of the output
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * size)
     else:  # _scaled_mm: activations rounded to FP8 per token as well
         torch.testing.assert_close(got, want, rtol=0.1, atol=0.03 * size)
         cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
         assert cos > 0.998
+
+
+def test_fp8_gemv_widens_every_fp8_value_exactly():
+    """Weight row n holds every finite FP8 byte, rotated by n; x picks columns 0..15, the
+    scales are 1: y[m, n] is byte (n + m) % 256 as a value, which bfloat16 holds exactly (the
+    bit moves of _bf16_from_fp8 on tl.dot's path, subnormals included)."""
+    codes = (torch.arange(256)[:, None] + torch.arange(256)[None, :]) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN bytes
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn).cuda()
+    x = torch.eye(16, 256, dtype=torch.bfloat16, device="cuda")
+    y = fp8_linear(x, q, torch.ones(256, 1, device="cuda"))
+    assert torch.equal(y.float(), q[:, :16].T.float())
 
 
 def test_per_token_fp8_activations_in_one_kernel_equal_their_definition():
@@ -49,16 +63,19 @@ def test_per_token_fp8_activations_in_one_kernel_equal_their_definition():
 
 
 def test_fp8_linear_is_capturable_and_replays_equal():
-    for rows, blockwise in ((1, False), (4, True), (64, False), (64, True)):
-        x, q, scale = (t.cuda() for t in weights(rows, blockwise=blockwise))
+    for rows, k, blockwise in ((1, 512, False), (1, 8192, False), (4, 512, True),
+                               (32, 4096, False), (64, 512, False), (64, 512, True)):  # fmt: skip
+        x, q, scale = (t.cuda() for t in weights(rows, k=k, blockwise=blockwise))
         x = x.bfloat16()
         block = (128, 128) if blockwise else None
         want = fp8_linear(x, q, scale, block=block)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = fp8_linear(x, q, scale, block=block)
-        graph.replay()
-        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        for _ in range(3):  # split launches leave their counts at 0 for the next replay
+            out.zero_()
+            graph.replay()
+            torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
