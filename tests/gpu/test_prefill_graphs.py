@@ -26,11 +26,11 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _engine(checkpoint, mode: str, **kw) -> LLM:
+    kw = {"max_num_batched_tokens": BUDGET, **kw}
     return LLM(
         str(checkpoint),
         cuda_graph_mode=mode,
         dtype="float32",
-        max_num_batched_tokens=BUDGET,
         max_num_seqs=16,
         max_model_len=8300,
         gpu_memory_utilization=0.3,
@@ -90,3 +90,37 @@ def test_lazy_capture_takes_large_graphs_on_first_use(checkpoint):
     assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     captured = {d["num_tokens"] for d in llm.graph_report()["captured"]["piecewise"]}
     assert BUDGET in captured and len(captured) < 10  # only the sizes the steps needed
+
+
+def test_fresh_prompt_steps_through_sdpa_match_the_paged_kernel(checkpoint, monkeypatch):
+    """Steps of whole fresh prompts of >= SDPA_MIN_TOKENS go to torch's SDPA: a long prompt's
+    first chunk and two equal prompts in one step give the greedy tokens of the paged kernel,
+    in every graph mode (float32: SDPA's memory-efficient kernel; bf16 cuDNN is tested
+    against float64 in test_kernels.py)."""
+    from ostinato.attention import triton_backend
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(7)
+    rounds = [[_ids(g, 6000)], [_ids(g, 2100), _ids(g, 2100)]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+    def run(mode: str) -> list[list[int]]:
+        llm = _engine(checkpoint, mode, max_num_batched_tokens=8192, enable_prefix_caching=False)
+        tokens = [o.token_ids for r in rounds for o in llm.generate(r, params, use_tqdm=False)]
+        llm.shutdown()
+        return tokens
+
+    sdpa_steps = []
+    causal_prefill = triton_backend.causal_prefill
+    monkeypatch.setattr(
+        triton_backend, "causal_prefill", lambda *a: sdpa_steps.append(a[4:6]) or causal_prefill(*a)
+    )
+    with monkeypatch.context() as m:
+        m.setattr(triton_backend, "SDPA_MIN_TOKENS", 1 << 62)
+        paged = run("none")
+    assert not sdpa_steps
+    for mode in MODES:
+        sdpa_steps.clear()
+        assert run(mode) == paged, mode
+        if mode != "full":  # FULL graphs of every batch keep attention inside: the paged kernel
+            assert {(1, 6000), (2, 2100)} <= set(sdpa_steps), (mode, set(sdpa_steps))
