@@ -70,15 +70,22 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def fresh_prompts(meta: AttentionMetadata) -> tuple[int, int] | None:
     """(prompts, length) when the step is that many whole prompts of one length with nothing
-    cached before them (the first requests; the rest padding) and at least SDPA_MIN_TOKENS."""
-    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    q_lens = starts[1:] - starts[:-1]
-    prompts = int((q_lens > 0).sum())
-    if prompts == 0 or (q_lens[prompts:] != 0).any():
+    cached before them (the first requests; the rest padding) and at least SDPA_MIN_TOKENS.
+    Every step makes a plan, so a decode step must leave at the first line (plain ints)."""
+    if meta.num_tokens < SDPA_MIN_TOKENS:  # the padded count: never below the real one
         return None
-    length = int(q_lens[0])
-    real_q, real_kv = q_lens[:prompts], seq_lens[:prompts]
-    if (real_q != length).any() or (real_kv != real_q).any() or prompts * length < SDPA_MIN_TOKENS:
+    starts, seq_lens = meta.query_start_loc_cpu.tolist(), meta.seq_lens_cpu.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    prompts = next((i for i, n in enumerate(q_lens) if n == 0), len(q_lens))
+    if prompts == 0 or any(q_lens[prompts:]):
+        return None
+    length = q_lens[0]
+    real = q_lens[:prompts]
+    if (
+        real != [length] * prompts
+        or seq_lens[:prompts] != real
+        or prompts * length < SDPA_MIN_TOKENS
+    ):
         return None
     return prompts, length
 
