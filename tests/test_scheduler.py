@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ostinato.config import EngineConfig
-from ostinato.engine.block_manager import BlockManager
+from ostinato.engine.block_manager import BlockManager, block_hash
 from ostinato.engine.scheduler import Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
 from ostinato.sampling_params import SamplingParams
@@ -89,6 +89,7 @@ def test_prefix_cache_hits_shared_full_blocks():
     sched.schedule()
     assert second.num_cached_tokens == 12
     assert bm.prefix_hits == 12
+    assert bm.prefix_queries == 14 + 13  # every admitted prompt token, cached or not
     # The last token is always computed, even when the whole prompt is cached.
     third = Sequence("c", prefix, SamplingParams())
     sched.add(third)
@@ -157,6 +158,136 @@ def test_random_workload_never_leaks_blocks(num_blocks):
     run_to_completion(sched, seqs, max_out=3)
     assert bm.num_free_blocks == num_blocks
     assert not bm.block_of_hash or all(bm.ref_counts[b] == 0 for b in bm.block_of_hash.values())
+
+
+# ---- block manager, driven directly ----------------------------------------------------
+def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> Sequence:
+    """What a step does to seq's blocks: admit it (if new), allocate for its tokens up to
+    `upto` (all by default), count them computed and register the blocks they filled."""
+    if not seq.block_ids:
+        bm.allocate_cached_prefix(seq)
+    upto = len(seq) if upto is None else upto
+    bm.allocate(seq, upto - seq.num_computed_tokens)
+    seq.num_computed_tokens = upto
+    bm.commit(seq)
+    return seq
+
+
+def cached(bm: BlockManager, tokens: list[int], **kw) -> int:
+    """Prompt tokens the prefix cache serves to a new request of these tokens."""
+    seq = Sequence("probe", tokens, SamplingParams(), **kw)
+    bm.allocate_cached_prefix(seq)
+    return seq.num_cached_tokens
+
+
+def test_a_new_pool_is_all_free_with_nothing_counted():
+    bm = BlockManager(6, BS)
+    assert (bm.num_blocks, bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits) == (6, 6, 0, 0)
+
+
+def test_block_hashes_chain_each_full_block_to_the_one_before():
+    bm = BlockManager(8, BS)
+    seq = compute(bm, Sequence("a", list(range(6)), SamplingParams()))
+    seq.token_ids += [6, 7, 8]
+    compute(bm, seq)
+    first = block_hash(None, (0, 1, 2, 3))
+    assert seq.block_hashes == [first, block_hash(first, (4, 5, 6, 7))]
+
+
+def test_equal_blocks_after_different_prefixes_are_not_shared():
+    bm = BlockManager(8, BS)
+    a = compute(bm, Sequence("a", [1, 1, 1, 1, 5, 6, 7, 8], SamplingParams()))
+    b = compute(bm, Sequence("b", [2, 2, 2, 2, 5, 6, 7, 8], SamplingParams()))
+    b_blocks = list(b.block_ids)
+    bm.free(a)
+    bm.free(b)
+    c = Sequence("c", [2, 2, 2, 2, 5, 6, 7, 8, 9], SamplingParams())
+    bm.allocate_cached_prefix(c)
+    assert c.block_ids == b_blocks  # b's second block, not a's with the same tokens
+
+
+def test_a_partial_prefix_hit_counts_the_hit_blocks_computed():
+    bm = BlockManager(8, BS)
+    a = compute(bm, Sequence("a", list(range(8)), SamplingParams()))
+    first = a.block_ids[0]
+    bm.free(a)
+    b = Sequence("b", [0, 1, 2, 3, 50, 51, 52, 53, 9], SamplingParams())
+    bm.allocate_cached_prefix(b)
+    assert b.block_ids == [first]
+    assert b.num_computed_tokens == b.num_cached_tokens == 4
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache():
+    bm = BlockManager(8, BS)
+    bm.free(compute(bm, Sequence("a", list(range(9)), SamplingParams())))
+    assert cached(bm, list(range(9))) == 8
+    b = Sequence("b", list(range(9)), SamplingParams(prompt_logprobs=1))
+    bm.allocate_cached_prefix(b)
+    assert b.block_ids == [] and b.num_computed_tokens == 0  # every position is scored
+
+
+def test_admitting_a_request_that_holds_blocks_is_refused():
+    bm = BlockManager(8, BS)
+    seq = Sequence("a", list(range(5)), SamplingParams())
+    bm.allocate(seq, 5)  # blocks, none computed yet
+    with pytest.raises(AssertionError):
+        bm.allocate_cached_prefix(seq)
+
+
+def test_the_prefix_cache_is_per_lora_adapter():
+    bm = BlockManager(16, BS)
+    prompt = list(range(8))
+    bm.free(compute(bm, Sequence("base", prompt, SamplingParams())))
+    assert cached(bm, prompt + [9], lora_name="a") == 0  # the base model's KV differs
+    bm.free(compute(bm, Sequence("a", prompt, SamplingParams(), lora_name="a")))
+    assert cached(bm, prompt + [9], lora_name="a") == 8
+    assert cached(bm, prompt + [9], lora_name="b") == 0
+    assert cached(bm, prompt + [9]) == 8
+
+
+def test_allocation_evicts_the_least_recently_freed_cached_block():
+    bm = BlockManager(2, BS)
+    bm.free(compute(bm, Sequence("a", [1, 1, 1, 1], SamplingParams())))
+    bm.free(compute(bm, Sequence("b", [2, 2, 2, 2], SamplingParams())))
+    bm.allocate(Sequence("c", [3], SamplingParams()), 1)
+    assert cached(bm, [2, 2, 2, 2, 0]) == 4
+    assert cached(bm, [1, 1, 1, 1, 0]) == 0
+
+
+def test_freed_blocks_without_a_hash_are_reused_before_cached_ones():
+    bm = BlockManager(3, BS)
+    bm.free(compute(bm, Sequence("b", [2, 2, 2, 2], SamplingParams())))
+    bm.free(compute(bm, Sequence("a", [1, 1, 1, 1, 9], SamplingParams())))  # a partial tail
+    bm.allocate(Sequence("c", [3], SamplingParams()), 1)  # takes a's tail block
+    assert cached(bm, [2, 2, 2, 2, 0]) == 4
+    assert cached(bm, [1, 1, 1, 1, 0]) == 4
+
+
+def test_equal_prompts_computed_together_register_one_block_and_evict_cleanly():
+    bm = BlockManager(4, BS)
+    a = Sequence("a", list(range(4)), SamplingParams())
+    b = Sequence("b", list(range(4)), SamplingParams())
+    for seq in (a, b):  # both admitted before either is computed: neither hits the cache
+        bm.allocate_cached_prefix(seq)
+        bm.allocate(seq, 4)
+    for seq in (a, b):
+        seq.num_computed_tokens = 4
+        bm.commit(seq)
+    assert list(bm.block_of_hash.values()) == a.block_ids
+    bm.free(a)
+    bm.free(b)
+    bm.allocate(Sequence("c", [], SamplingParams()), 16)  # evicts every block
+    assert bm.block_of_hash == {} and bm.hash_of_block == [None] * 4
+
+
+def test_a_preempted_prompt_logprobs_request_registers_its_blocks_on_recompute():
+    bm = BlockManager(2, BS)
+    seq = compute(bm, Sequence("p", list(range(8)), SamplingParams(prompt_logprobs=1)), upto=4)
+    bm.free(seq)  # preempted after its first chunk
+    seq.reset_for_recompute()
+    compute(bm, seq)  # its first block's cached copy is evicted to make room
+    bm.free(seq)
+    assert cached(bm, list(range(8)) + [9]) == 8
 
 
 def make_pipelined_scheduler(num_blocks: int, stages: int, max_seqs: int = 8):
