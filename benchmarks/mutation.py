@@ -38,7 +38,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "block_manager": ("ostinato/engine/block_manager.py", ["tests/test_scheduler.py"]),
     "scheduler": ("ostinato/engine/scheduler.py", ["tests/test_scheduler.py"]),
     "detokenizer": ("ostinato/engine/detokenizer.py", ["tests/test_tokenizer.py"]),
-    "lora_adapter": ("ostinato/lora/adapter.py", ["tests/test_lora.py"]),
+    "lora_adapter": ("ostinato/lora/adapter.py", ["tests/test_lora_adapter.py"]),
 }
 
 
