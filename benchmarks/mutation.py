@@ -26,7 +26,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "sampler": ("ostinato/runner/sampler.py", ["tests/test_sampler.py", "tests/test_rejection.py"]),
     "rejection": ("ostinato/speculative/rejection.py", ["tests/test_rejection.py"]),
     "ngram": ("ostinato/speculative/ngram.py", ["tests/test_ngram.py"]),
-    "protocol": ("ostinato/server/protocol.py", ["tests/test_server_fields.py"]),
+    "protocol": ("ostinato/server/protocol.py", ["tests/test_protocol.py"]),
     "app": ("ostinato/server/app.py", ["tests/test_server_fields.py"]),
     "engine_stop": (
         "ostinato/engine/engine.py",
