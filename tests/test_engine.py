@@ -5,6 +5,8 @@ import pytest
 from ostinato import LLM, SamplingParams
 from ostinato.cli import main
 from ostinato.config import EngineConfig
+from ostinato.engine.engine import LLMEngine
+from ostinato.sampling_params import StructuredOutputsParams
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +252,74 @@ def test_outputs_are_snapshots_that_later_steps_leave_alone(llm):
         engine.step()
     assert first[0].token_ids == tokens and first[0].logprobs == logprobs
     assert len(tokens) == 1 and len(logprobs) == 1
+
+
+# ---- stopping, token by token -------------------------------------------------------------
+def append_step(llm, params: SamplingParams, tokens: list[int]):
+    """A new request of prompt [1, 2, 3] and the output of one step that appends `tokens` (a
+    sampled token after accepted drafts, as speculative decoding gives several per step)."""
+    engine = llm.engine
+    rid = engine.add_request([1, 2, 3], params)
+    return engine._append_tokens(engine.requests[rid], tokens, None)
+
+
+def test_a_step_s_tokens_stop_at_the_first_that_ends_the_request(llm):
+    llm.generate(["warm"], SamplingParams(max_tokens=2))  # the token count starts above 0
+    before = llm.engine.generation_tokens_total
+    params = SamplingParams(max_tokens=10, stop_token_ids=[66], prompt_logprobs=1)
+    out = append_step(llm, params, [65, 66, 67])
+    assert out.finished and out.finish_reason == "stop"
+    assert out.token_ids == out.new_token_ids == [65, 66] and out.text == "AB"
+    assert out.prompt_token_ids == (1, 2, 3) and out.num_cached_tokens == 0
+    assert out.prompt_logprobs == [None, None, None]  # none computed by this step
+    assert llm.engine.generation_tokens_total == before + 2
+    assert out.request_id not in llm.engine.requests
+    assert out.request_id not in llm.engine.detokenizers  # nothing of it stays behind
+    length = append_step(llm, SamplingParams(max_tokens=2), [65, 66, 67])
+    assert (length.token_ids, length.finish_reason) == ([65, 66], "length")
+    going = append_step(llm, SamplingParams(max_tokens=5), [65, 66])
+    assert not going.finished and going.finish_reason is None and going.new_token_ids == [65, 66]
+    llm.engine.abort_request(going.request_id)
+
+
+def test_stop_tokens_count_from_min_tokens_on(llm):
+    params = SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[66])
+    out = append_step(llm, params, [66, 66, 67])  # the first is too early, the second stops
+    assert out.token_ids == [66, 66] and out.finish_reason == "stop"
+
+
+def test_max_model_len_ends_a_request_at_exactly_that_length():
+    llm = LLM("tiny", device="cpu", max_num_batched_tokens=64, max_model_len=8)
+    out = llm.generate([[1] * 6], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+
+
+def test_the_end_flushes_a_character_cut_in_half(llm):
+    out = append_step(llm, SamplingParams(max_tokens=2), [65, 0xC3])  # "A", half of "é"
+    assert out.finish_reason == "length" and out.text == "A\ufffd"
+
+
+def test_a_finished_grammar_ends_the_request(llm):
+    params = SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes"])
+    )
+    out = llm.generate(["Answer:"], params)[0]
+    assert (out.text, out.finish_reason) == ("yes", "stop")
+    assert out.token_ids == list(b"yes")  # nothing after the grammar's end, not even EOS
+
+
+def test_an_engine_without_detokenizers_gives_no_text():
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", max_model_len=64), detokenize=False)
+    rid = engine.add_request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    final = [o for o in outs if o.finished]
+    assert [(o.request_id, len(o.token_ids), o.text) for o in final] == [(rid, 3, "")]
+
+
+def test_outputs_count_the_prompt_tokens_the_prefix_cache_served(llm):
+    prompt = [5] * 40  # two full blocks of 16 and a rest
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 0
+    assert llm.generate([prompt], params)[0].num_cached_tokens == 32

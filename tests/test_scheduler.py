@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ostinato.config import EngineConfig
-from ostinato.engine.block_manager import BlockManager
+from ostinato.engine.block_manager import BlockManager, block_hash
 from ostinato.engine.scheduler import Scheduler
 from ostinato.engine.sequence import Sequence, SequenceStatus
 from ostinato.sampling_params import SamplingParams
@@ -13,9 +13,9 @@ from ostinato.sampling_params import SamplingParams
 BS = 4
 
 
-def make_scheduler(num_blocks: int, max_tokens: int = 16, max_seqs: int = 8):
+def make_scheduler(num_blocks: int, max_tokens: int = 16, max_seqs: int = 8, **kw):
     config = EngineConfig(
-        device="cpu", block_size=BS, max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs
+        device="cpu", block_size=BS, max_num_batched_tokens=max_tokens, max_num_seqs=max_seqs, **kw
     )
     bm = BlockManager(num_blocks, BS)
     return Scheduler(config, bm), bm
@@ -26,6 +26,7 @@ def fake_step(sched: Scheduler, next_token=lambda seq: 7) -> list[Sequence]:
     batch = sched.schedule()
     if batch is None:
         return []
+    assert batch.num_tokens <= sched.max_num_batched_tokens
     for seq, q in zip(batch.seqs, batch.query_lens, strict=True):
         assert q >= 1
         assert len(seq.block_ids) * BS >= seq.num_computed_tokens + q
@@ -89,12 +90,14 @@ def test_prefix_cache_hits_shared_full_blocks():
     sched.schedule()
     assert second.num_cached_tokens == 12
     assert bm.prefix_hits == 12
+    assert bm.prefix_queries == 14 + 13  # every admitted prompt token, cached or not
     # The last token is always computed, even when the whole prompt is cached.
     third = Sequence("c", prefix, SamplingParams())
     sched.add(third)
     batch = sched.schedule()
     assert third.num_cached_tokens == 8
     assert batch.query_lens[batch.seqs.index(third)] == 4
+    assert bm.prefix_hits == 12 + 8
 
 
 def test_prefix_cache_evicts_least_recently_freed():
@@ -142,8 +145,10 @@ def test_waiting_sequence_status_and_abort():
     sched.schedule()
     assert a.status == SequenceStatus.RUNNING and b.status == SequenceStatus.WAITING
     sched.finish(b, "abort")
-    sched.finish(a, "abort")
+    sched.finish(a, "stop")
     assert bm.num_free_blocks == 2 and not sched.has_unfinished()
+    assert (a.status, a.finish_reason) == (SequenceStatus.FINISHED, "stop")
+    assert (b.status, b.finish_reason) == (SequenceStatus.FINISHED, "abort")
 
 
 @pytest.mark.parametrize("num_blocks", [3, 5])
@@ -157,6 +162,136 @@ def test_random_workload_never_leaks_blocks(num_blocks):
     run_to_completion(sched, seqs, max_out=3)
     assert bm.num_free_blocks == num_blocks
     assert not bm.block_of_hash or all(bm.ref_counts[b] == 0 for b in bm.block_of_hash.values())
+
+
+# ---- block manager, driven directly ----------------------------------------------------
+def compute(bm: BlockManager, seq: Sequence, upto: int | None = None) -> Sequence:
+    """What a step does to seq's blocks: admit it (if new), allocate for its tokens up to
+    `upto` (all by default), count them computed and register the blocks they filled."""
+    if not seq.block_ids:
+        bm.allocate_cached_prefix(seq)
+    upto = len(seq) if upto is None else upto
+    bm.allocate(seq, upto - seq.num_computed_tokens)
+    seq.num_computed_tokens = upto
+    bm.commit(seq)
+    return seq
+
+
+def cached(bm: BlockManager, tokens: list[int], **kw) -> int:
+    """Prompt tokens the prefix cache serves to a new request of these tokens."""
+    seq = Sequence("probe", tokens, SamplingParams(), **kw)
+    bm.allocate_cached_prefix(seq)
+    return seq.num_cached_tokens
+
+
+def test_a_new_pool_is_all_free_with_nothing_counted():
+    bm = BlockManager(6, BS)
+    assert (bm.num_blocks, bm.num_free_blocks, bm.prefix_queries, bm.prefix_hits) == (6, 6, 0, 0)
+
+
+def test_block_hashes_chain_each_full_block_to_the_one_before():
+    bm = BlockManager(8, BS)
+    seq = compute(bm, Sequence("a", list(range(6)), SamplingParams()))
+    seq.token_ids += [6, 7, 8]
+    compute(bm, seq)
+    first = block_hash(None, (0, 1, 2, 3))
+    assert seq.block_hashes == [first, block_hash(first, (4, 5, 6, 7))]
+
+
+def test_equal_blocks_after_different_prefixes_are_not_shared():
+    bm = BlockManager(8, BS)
+    a = compute(bm, Sequence("a", [1, 1, 1, 1, 5, 6, 7, 8], SamplingParams()))
+    b = compute(bm, Sequence("b", [2, 2, 2, 2, 5, 6, 7, 8], SamplingParams()))
+    b_blocks = list(b.block_ids)
+    bm.free(a)
+    bm.free(b)
+    c = Sequence("c", [2, 2, 2, 2, 5, 6, 7, 8, 9], SamplingParams())
+    bm.allocate_cached_prefix(c)
+    assert c.block_ids == b_blocks  # b's second block, not a's with the same tokens
+
+
+def test_a_partial_prefix_hit_counts_the_hit_blocks_computed():
+    bm = BlockManager(8, BS)
+    a = compute(bm, Sequence("a", list(range(8)), SamplingParams()))
+    first = a.block_ids[0]
+    bm.free(a)
+    b = Sequence("b", [0, 1, 2, 3, 50, 51, 52, 53, 9], SamplingParams())
+    bm.allocate_cached_prefix(b)
+    assert b.block_ids == [first]
+    assert b.num_computed_tokens == b.num_cached_tokens == 4
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache():
+    bm = BlockManager(8, BS)
+    bm.free(compute(bm, Sequence("a", list(range(9)), SamplingParams())))
+    assert cached(bm, list(range(9))) == 8
+    b = Sequence("b", list(range(9)), SamplingParams(prompt_logprobs=1))
+    bm.allocate_cached_prefix(b)
+    assert b.block_ids == [] and b.num_computed_tokens == 0  # every position is scored
+
+
+def test_admitting_a_request_that_holds_blocks_is_refused():
+    bm = BlockManager(8, BS)
+    seq = Sequence("a", list(range(5)), SamplingParams())
+    bm.allocate(seq, 5)  # blocks, none computed yet
+    with pytest.raises(AssertionError):
+        bm.allocate_cached_prefix(seq)
+
+
+def test_the_prefix_cache_is_per_lora_adapter():
+    bm = BlockManager(16, BS)
+    prompt = list(range(8))
+    bm.free(compute(bm, Sequence("base", prompt, SamplingParams())))
+    assert cached(bm, prompt + [9], lora_name="a") == 0  # the base model's KV differs
+    bm.free(compute(bm, Sequence("a", prompt, SamplingParams(), lora_name="a")))
+    assert cached(bm, prompt + [9], lora_name="a") == 8
+    assert cached(bm, prompt + [9], lora_name="b") == 0
+    assert cached(bm, prompt + [9]) == 8
+
+
+def test_allocation_evicts_the_least_recently_freed_cached_block():
+    bm = BlockManager(2, BS)
+    bm.free(compute(bm, Sequence("a", [1, 1, 1, 1], SamplingParams())))
+    bm.free(compute(bm, Sequence("b", [2, 2, 2, 2], SamplingParams())))
+    bm.allocate(Sequence("c", [3], SamplingParams()), 1)
+    assert cached(bm, [2, 2, 2, 2, 0]) == 4
+    assert cached(bm, [1, 1, 1, 1, 0]) == 0
+
+
+def test_freed_blocks_without_a_hash_are_reused_before_cached_ones():
+    bm = BlockManager(3, BS)
+    bm.free(compute(bm, Sequence("b", [2, 2, 2, 2], SamplingParams())))
+    bm.free(compute(bm, Sequence("a", [1, 1, 1, 1, 9], SamplingParams())))  # a partial tail
+    bm.allocate(Sequence("c", [3], SamplingParams()), 1)  # takes a's tail block
+    assert cached(bm, [2, 2, 2, 2, 0]) == 4
+    assert cached(bm, [1, 1, 1, 1, 0]) == 4
+
+
+def test_equal_prompts_computed_together_register_one_block_and_evict_cleanly():
+    bm = BlockManager(4, BS)
+    a = Sequence("a", list(range(4)), SamplingParams())
+    b = Sequence("b", list(range(4)), SamplingParams())
+    for seq in (a, b):  # both admitted before either is computed: neither hits the cache
+        bm.allocate_cached_prefix(seq)
+        bm.allocate(seq, 4)
+    for seq in (a, b):
+        seq.num_computed_tokens = 4
+        bm.commit(seq)
+    assert list(bm.block_of_hash.values()) == a.block_ids
+    bm.free(a)
+    bm.free(b)
+    bm.allocate(Sequence("c", [], SamplingParams()), 16)  # evicts every block
+    assert bm.block_of_hash == {} and bm.hash_of_block == [None] * 4
+
+
+def test_a_preempted_prompt_logprobs_request_registers_its_blocks_on_recompute():
+    bm = BlockManager(2, BS)
+    seq = compute(bm, Sequence("p", list(range(8)), SamplingParams(prompt_logprobs=1)), upto=4)
+    bm.free(seq)  # preempted after its first chunk
+    seq.reset_for_recompute()
+    compute(bm, seq)  # its first block's cached copy is evicted to make room
+    bm.free(seq)
+    assert cached(bm, list(range(8)) + [9]) == 8
 
 
 def make_pipelined_scheduler(num_blocks: int, stages: int, max_seqs: int = 8):
@@ -212,6 +347,159 @@ def test_preemption_spares_requests_in_flight():
     a.token_ids.extend([9] * 5)  # a needs a third block while b is in flight
     assert sched.schedule() is None  # a preempts itself, never b
     assert b in sched.in_flight and b.block_ids and a.status is SequenceStatus.WAITING
+    assert sched.num_preemptions == 1
+
+
+def test_a_step_stops_at_the_token_budget_with_requests_left_over():
+    config = dict(max_num_batched_tokens=2, max_num_seqs=8, pipeline_parallel_size=2)
+    sched = Scheduler(EngineConfig(device="cpu", block_size=BS, **config), BlockManager(64, BS))
+    a, b, c = (Sequence(name, [1], SamplingParams()) for name in "abc")
+    for seq in (a, b, c):
+        sched.add(seq)
+    first = sched.schedule()  # a and b; c goes in the next microbatch
+    second = sched.schedule()
+    assert (first.seqs, second.seqs) == ([a, b], [c])
+    for batch in (first, second):
+        sched.complete(batch)
+        for seq in batch.seqs:
+            seq.token_ids.append(7)
+    for name in "de":  # waiting requests raise the microbatch's request cap above the budget
+        sched.add(Sequence(name, [1], SamplingParams()))
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.query_lens == [1, 1]
+
+
+def test_the_last_token_of_the_budget_admits_a_waiting_request():
+    sched, _ = make_scheduler(num_blocks=64, max_tokens=3)
+    a, b = Sequence("a", [1], SamplingParams()), Sequence("b", [2], SamplingParams())
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched)
+    c, d = Sequence("c", [1, 2, 3, 4, 5], SamplingParams()), Sequence("d", [6], SamplingParams())
+    sched.add(c)
+    sched.add(d)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b, c] and batch.query_lens == [1, 1, 1]
+    assert list(sched.waiting) == [d]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_preempting_a_request_scheduled_earlier_in_the_step_gives_its_tokens_back(speculative):
+    """With pipelining, a request admitted while an older one's prefill chunk is in flight
+    decodes first in a later step (verifying drafts too, when speculating); the older one's
+    next chunk then preempts it. Its tokens (and drafts) leave the batch and go back to the
+    budget, which readmits it for a prefill chunk of the same size."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 2} if speculative else {}
+    config = EngineConfig(
+        device="cpu",
+        block_size=BS,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        max_model_len=64,
+        pipeline_parallel_size=2,
+        **spec,
+    )
+    sched = Scheduler(config, BlockManager(5, BS))
+    s = Sequence("s", list(range(16)), SamplingParams())
+    # v skips the prefix cache, so its readmission needs just one block
+    v = Sequence("v", [1, 2, 1, 2, 1], SamplingParams(prompt_logprobs=1))
+    sched.add(s)
+    first = sched.schedule()  # s's first chunk (8 tokens, 2 blocks)
+    sched.add(v)
+    second = sched.schedule()  # v, while s is in flight (2 blocks)
+    assert (first.seqs, first.query_lens, second.seqs) == ([s], [8], [v])
+    sched.complete(first)
+    sched.complete(second)
+    v.token_ids.append(2)  # "1 2" repeats: a proposal of 1 2
+    sched.add(Sequence("w", [1], SamplingParams()))  # raises the request cap to 2
+    # v decodes (1 token, or 3 with its drafts); s's chunk then needs two blocks, one is
+    # free: v is preempted and readmitted with the budget s leaves
+    batch = sched.schedule()
+    assert batch.seqs == [s, v] and batch.drafts == [[], []]
+    assert batch.query_lens == ([5, 3] if speculative else [7, 1])
+    assert v.num_computed_tokens == 0 and sched.num_preemptions == 1
+
+
+def test_a_request_preempted_before_its_turn_gives_back_no_budget():
+    sched, _ = make_scheduler(num_blocks=4, max_tokens=8, max_seqs=2)
+    a = Sequence("a", [1, 2, 3, 4], SamplingParams())
+    b = Sequence("b", list(range(10, 22)), SamplingParams(prompt_logprobs=1))
+    sched.add(a)
+    sched.add(b)
+    fake_step(sched)  # a's prompt, b's first 4 tokens: 2 blocks
+    batch = sched.schedule()  # a's decode takes a block, so b's next chunk preempts b itself
+    assert sched.num_preemptions == 1
+    assert batch.seqs == [a, b] and batch.query_lens == [1, 7]  # b readmitted, 7 tokens
+
+
+def test_every_preemption_is_counted():
+    sched, _ = make_scheduler(num_blocks=3, max_tokens=16)
+    a, b, c = (Sequence(name, [i] * 4, SamplingParams()) for i, name in enumerate("abc"))
+    for seq in (a, b, c):
+        sched.add(seq)
+    fake_step(sched)  # one full block each; each needs a second one for its next token
+    batch = sched.schedule()  # a takes c's block; b finds none and preempts itself
+    assert batch.seqs == [a] and list(sched.waiting) == [b, c]
+    assert sched.num_preemptions == 2
+
+
+def test_async_scheduling_schedules_a_decode_of_the_token_in_flight():
+    sched, _ = make_scheduler(num_blocks=64, async_scheduling=True, max_model_len=64)
+    seq = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    sched.add(seq)
+    first = sched.schedule()
+    second = sched.schedule()  # while first is in flight: the decode of the token it samples
+    assert second.seqs == [seq] and second.query_lens == [1] and second.sampled == [True]
+    assert seq.num_in_flight_tokens == 4 and seq.num_pending_tokens == 2
+    assert sched.schedule() is None  # one batch ahead at most
+    sched.complete(first)
+    seq.token_ids.append(7)
+    assert seq.num_computed_tokens == 3 and seq.num_uncomputed_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "max_model_len"), [([1, 2, 3], 1, 64), ([1, 2, 3], 8, 4)]
+)
+def test_async_scheduling_waits_when_the_token_in_flight_may_be_the_last(
+    prompt, max_tokens, max_model_len
+):
+    sched, _ = make_scheduler(num_blocks=64, async_scheduling=True, max_model_len=max_model_len)
+    sched.add(Sequence("a", prompt, SamplingParams(max_tokens=max_tokens)))
+    assert sched.schedule() is not None
+    assert sched.schedule() is None  # that token ends it by max_tokens or max_model_len
+
+
+def test_async_scheduling_waits_for_a_block_held_by_requests_in_flight():
+    sched, _ = make_scheduler(num_blocks=1, async_scheduling=True, max_model_len=64)
+    seq = Sequence("a", [1, 2, 3, 4], SamplingParams())
+    sched.add(seq)
+    first = sched.schedule()
+    assert sched.schedule() is None  # its next token needs a second block: no victim in flight
+    assert seq.status is SequenceStatus.RUNNING and sched.num_preemptions == 0
+    sched.complete(first)
+
+
+def test_max_loras_bounds_the_adapters_of_a_step_and_adapters_keep_their_place():
+    sched, _ = make_scheduler(num_blocks=64, max_loras=1)
+    a1, a2, b, a3 = (
+        Sequence(f"r{i}", [1, 2], SamplingParams(), lora_name=name) for i, name in enumerate("aaba")
+    )
+    base = Sequence("base", [1, 2], SamplingParams())
+    for seq in (a1, a2, b, base, a3):
+        sched.add(seq)
+    batch = sched.schedule()
+    # b waits for a's slot; base goes ahead; a3 keeps its place behind b
+    assert batch.seqs == [a1, a2, base] and list(sched.waiting) == [b, a3]
+    sched.complete(batch)
+    for seq in batch.seqs:
+        seq.token_ids.append(7)
+    second = sched.schedule()
+    assert second.seqs == [a1, a2, base]  # a's requests decode together
+    sched.complete(second)
+    base.token_ids.append(7)
+    sched.finish(a1, "stop")
+    sched.finish(a2, "stop")
+    assert sched.schedule().seqs == [base, b] and list(sched.waiting) == [a3]
 
 
 # ---- speculative decoding ---------------------------------------------------------------
@@ -370,3 +658,42 @@ def test_speculation_gives_the_same_tokens_and_valid_kv_as_plain_decoding(num_bl
     assert speculative == plain
     assert accepted > 10
     assert (preemptions > 0) == (num_blocks == 10)
+
+
+def test_complete_counts_only_the_accepted_drafts_it_is_told_of():
+    sched, _ = make_spec_scheduler(num_blocks=16)
+    a, b = decoding(sched, [1, 2, 3, 1, 2, 3, 1], [4, 5, 6])
+    a.token_ids[-1] = 2  # a drafts 3 1 2
+    b.token_ids[-1] = 50  # b has no proposal: its drafts are padding
+    batch = sched.schedule()
+    assert [bool(d) for d in batch.drafts] == [True, True]
+    sched.complete(batch, {"r0": 2})  # no count for r1: none of its drafts stand
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (8 + 2, 4)
+    plain, _ = make_scheduler(num_blocks=16)
+    c = Sequence("c", [1, 2, 3], SamplingParams())
+    plain.add(c)
+    plain.complete(plain.schedule(), {"c": 2})  # a batch without drafts: counts ignored
+    assert c.num_computed_tokens == 3
+
+
+def test_async_scheduling_resumes_after_a_speculative_step_completes():
+    sched, _ = make_spec_scheduler(num_blocks=16, async_scheduling=True)
+    (seq,) = decoding(sched, [1, 2, 3, 1, 2, 3, 1])
+    seq.token_ids[-1] = 2
+    batch = sched.schedule()
+    assert batch.drafts == [[3, 1, 2]]
+    seq.token_ids.append(40)  # every draft rejected; 40 was never seen: no proposal next
+    sched.complete(batch, {"r0": 0})
+    plain = sched.schedule()
+    assert plain.drafts == [[]]
+    assert sched.schedule() is not None  # a plain decode continues behind it in flight
+
+
+def test_a_finished_request_id_starts_afresh_in_the_proposer():
+    sched, _ = make_spec_scheduler(num_blocks=32)
+    (old,) = decoding(sched, [1, 2, 3, 1, 2, 3, 1])
+    assert sched.schedule().drafts == [[1, 1, 1]]  # the proposer now holds r0's tokens
+    sched.finish(old, "stop")
+    (new,) = decoding(sched, [5, 6, 7, 5, 6, 7, 5, 6])  # the same request id, r0
+    new.token_ids[-1] = 7  # the context ends "5 6 7": the proposer continues 5 6 7
+    assert sched.schedule().drafts == [[5, 6, 7]]

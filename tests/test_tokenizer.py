@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import transformers
 from helpers import make_hf_checkpoint
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ostinato.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -77,3 +79,36 @@ def test_incremental_detokenizer_streams_exactly_the_decoded_text(kind, hf_dir):
         assert flushed.update(ids[:cut]) == ""  # the window ends mid-character: held back
         assert flushed.update(ids[:cut], final=True) == "h\ufffd"  # the request ended there
         assert flushed.text == "h\ufffd"
+
+
+def test_a_token_that_adds_no_text_keeps_the_window_context(tmp_path):
+    """SentencePiece decoding drops the space of a window's first word: a skipped special
+    token between two words must not start a new window, or the space between them is lost."""
+    from ostinato.engine.detokenizer import IncrementalDetokenizer
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, "▁hello": 3, "▁world": 4}
+    sp = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=sp, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(tmp_path)
+    detok = IncrementalDetokenizer(HFTokenizer(str(tmp_path)))
+    ids = [3, 0, 4]  # hello <s> world
+    assert [detok.update(ids[: i + 1]) for i in range(3)] == ["hello", "", " world"]
+    assert detok.text == "hello world"
+
+
+def test_cut_at_stop_cuts_before_the_first_occurrence():
+    from ostinato.engine.detokenizer import IncrementalDetokenizer, cut_at_stop
+
+    detok = IncrementalDetokenizer(ByteTokenizer())
+    detok.update(list(b"a. b. c"))
+    assert not cut_at_stop(detok, ["x", "c."]) and not detok.text_stopped
+    assert detok.text == "a. b. c"
+    assert cut_at_stop(detok, ["x", ". "]) and detok.text_stopped
+    assert detok.text == "a"
+    at_start = IncrementalDetokenizer(ByteTokenizer())
+    at_start.update(list(b"xyz"))
+    assert cut_at_stop(at_start, ["y"]) and at_start.text == "x"  # a stop at index 1
+    assert cut_at_stop(at_start, ["x"]) and at_start.text == ""
