@@ -294,7 +294,7 @@ def test_paged_attention_half_precision_decode():
 
 
 def test_config_depends_on_shapes_and_splits_long_decodes(monkeypatch):
-    monkeypatch.setattr(attention_module, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(attention_module, "num_sms", lambda device, interpreted: 132)
     q = torch.empty(8, 32, 128)
     k_cache = torch.empty(10, 16, 8, 128)
     table = torch.empty(8, 512, dtype=torch.int32)  # up to 8k positions per request

@@ -38,6 +38,15 @@ def _has_pdl() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+@functools.cache
+def num_sms(device: torch.device, interpreted: int) -> int:
+    """The device's SM count, which split launches size themselves by; on the CPU (the
+    interpreter) `interpreted`, a small count chosen so CPU tests reach the split paths."""
+    if device.type != "cuda":
+        return interpreted
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 

@@ -13,7 +13,6 @@ then the same matmul, so CI tests the math.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels import variants
-from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, num_sms, pdl_options, use_triton
 from ostinato.kernels.launch import Launch
 
 FP8 = torch.float8_e4m3fn
@@ -312,7 +311,7 @@ def fp8_gemv(
            interpreting())  # fmt: skip
     entry = _launches.get(key)
     if entry is None:
-        config = config or gemv_config(m, n, k, block, _num_sms(x.device))
+        config = config or gemv_config(m, n, k, block, num_sms(x.device, 4))
         entry = _launches[key] = (_launch(x, w, scale, block, config), config)
     launch, config = entry
     part = sem = x  # unused without a split
@@ -363,13 +362,6 @@ def _semaphores_on(device: torch.device) -> torch.Tensor:
             raise variants.ColdKernel("fp8 GEMV: a split launch must run once before capture")
         counts = _semaphores[device] = torch.zeros(_SEMAPHORES, dtype=torch.int32, device=device)
     return counts
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so CPU tests see split K
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @jit

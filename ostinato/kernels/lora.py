@@ -23,14 +23,12 @@ slot, rank, token) was most of each kernel's time.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ostinato.context import LoRAMetadata
-from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import interpreting, jit, num_sms, pdl_options, use_triton
 from ostinato.kernels.launch import Launch
 
 
@@ -190,13 +188,6 @@ def _expand_kernel(
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small, so CPU tests see split K
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _block_m(num_tokens: int, block_r: int) -> int:
     """Tokens per program: as few as the batch needs, and a [block_m, block_r] float32 tile
     of at most 4096 elements."""
@@ -213,7 +204,7 @@ def _splits(x: torch.Tensor, shards: int, block_r: int, block_k: int) -> int:
     enough for expand to sum the partials in registers (at most 8192 floats a program)."""
     block_m = _block_m(x.shape[0], block_r)
     programs = triton.cdiv(x.shape[0], block_m) * shards
-    want = min(triton.cdiv(2 * _num_sms(x.device), programs), triton.cdiv(x.shape[1], block_k))
+    want = min(triton.cdiv(2 * num_sms(x.device, 4), programs), triton.cdiv(x.shape[1], block_k))
     want = min(want, 8192 // (block_m * block_r))
     return 1 << (max(want, 1).bit_length() - 1)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -10,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import jit, num_sms, pdl_options, use_triton
 from ostinato.kernels.launch import Launch
 
 
@@ -260,7 +259,7 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
         programs = _num_tiles(num_tokens, num_reqs, block_q) * kv_heads
         # at the longest context the block table holds, each part still spans 4 KV tiles
         most = block_table.shape[1] * k_cache.shape[1] // (4 * block_n)
-        splits = _splits(programs, _num_sms(q.device), most)
+        splits = _splits(programs, num_sms(q.device, 8), most)
         block_m = max(16, triton.next_power_of_2(block_q * group))
         return Config(block_q, block_m, block_n, splits, num_warps=4, num_stages=5)
     if q.element_size() > 2:  # float32 dots run on FMA units: sized to fit, not tuned
@@ -279,13 +278,6 @@ def _splits(programs: int, num_sms: int, most: int) -> int:
     4 per SM."""
     want = min(triton.cdiv(4 * num_sms, programs), max(most, 1))
     return 1 << (want.bit_length() - 1)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # the interpreter: small, so CPU tests see the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _num_tiles(num_tokens: int, num_reqs: int, block_q: int) -> int:
