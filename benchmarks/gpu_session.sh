@@ -21,6 +21,8 @@
 #   bash benchmarks/gpu_session.sh diag     # FP8 vs its twin, host profile, prefill kernels, fusions
 #   bash benchmarks/gpu_session.sh sdpa     # fresh prefill: torch SDPA backends vs ours, the
 #                                           # prefill step's kernels and host profile
+#   bash benchmarks/gpu_session.sh triage   # a session's first look: kernel/prefill tests, prefill
+#                                           # and decode per mode, constrained decode's host profile
 #   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
 #   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
@@ -37,6 +39,31 @@ info() {
 }
 
 case "$stage" in
+triage)  # a session's first call (~6 min): the kernel and prefill GPU tests, prefill per graph
+  # mode at the host-bound sizes, decode per mode, and a host profile (cProfile, top functions
+  # by own time) of batch-32 decode with every request under a JSON schema and without
+  info | tee "$OUT/env.txt"
+  python3 -c "import llguidance" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  q=random:qwen3-0.6b
+  timeout 200 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_prefill_graphs.py -q \
+    -p no:cacheprovider -o addopts="" -rs --maxfail=6 2>&1 | tee "$OUT/triage-tests.log" | tail -n 15
+  timeout 100 python3 -m ostinato.cli bench prefill --model $q --json --iters 3 --no-prefix-caching \
+    --input-len 512,1024,2048 --cuda-graph-mode piecewise,full,full_and_piecewise \
+    2>>"$OUT/triage.err" | tee -a "$OUT/prefill.jsonl"
+  timeout 80 python3 -m ostinato.cli bench latency --model $q --json --batch-size 1,32 \
+    --input-len 512 --output-len 64 --iters 3 --max-model-len 2048 \
+    --cuda-graph-mode piecewise,full_and_piecewise 2>>"$OUT/triage.err" | tee -a "$OUT/decode.jsonl"
+  for so in none json; do
+    timeout 60 python3 -m cProfile -o "$OUT/structured-$so.prof" -m ostinato.cli bench latency \
+      --model $q --json --batch-size 32 --input-len 128 --output-len 64 --iters 3 \
+      --max-model-len 2048 --structured-output $so 2>>"$OUT/triage.err" | tee -a "$OUT/structured.jsonl"
+    python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(30)" \
+      "$OUT/structured-$so.prof" > "$OUT/structured-$so.txt"
+  done
+  grep -v "it/s\]" "$OUT/triage.err" | grep -iE "error|traceback" | tail -n 15
+  ;;
 verify-tests)  # every GPU test in one run (about 9 minutes on an H100), the log whole
   info | tee "$OUT/env.txt"
   timeout "${TESTS_S:-570}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rs \
