@@ -14,10 +14,12 @@ import torch
 from llguidance import LLExecutor
 
 from ostinato import LLM, SamplingParams
+from ostinato.kernels import bitmask as bitmask_kernel
+from ostinato.kernels.bitmask import apply_token_bitmask
 from ostinato.runner.step import SamplingRow
 from ostinato.sampling_params import StructuredOutputsParams
 from ostinato.structured import bitmask
-from ostinato.structured.bitmask import apply_bitmask, fill_bitmask
+from ostinato.structured.bitmask import fill_bitmask
 from ostinato.structured.grammar import GrammarCompiler
 from ostinato.tokenizer import ByteTokenizer
 
@@ -33,7 +35,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 PROMPTS = ["Hello, my name is", "1, 2, 3,"]
-TINY_VOCAB = 384  # the tiny model's logits; its byte tokenizer has 258 ids
 
 
 @pytest.fixture(scope="module")
@@ -46,36 +47,53 @@ def _params(so: StructuredOutputsParams | None, **kw) -> SamplingParams:
                           structured_outputs=so)  # fmt: skip
 
 
-def _allowed(row: np.ndarray, vocab: int) -> set[int]:
+def _allowed(row: np.ndarray) -> set[int]:
     """The ids a bitmask row allows, bit by bit."""
-    return {i for i in range(vocab) if (int(row[i // 32]) >> (i % 32)) & 1}
+    return {i for i in range(32 * len(row)) if (int(row[i // 32]) >> (i % 32)) & 1}
 
 
 # ---- the bitmask ------------------------------------------------------------------------
-def test_apply_bitmask_matches_a_bit_by_bit_reference():
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_apply_token_bitmask_matches_a_bit_by_bit_reference(monkeypatch, path):
+    """Rows 1, 2 and 4 of 5 constrained, by a mask as wide as a 40-id tokenizer (two words)
+    under a 77-id model; the Triton kernel runs interpreted on the CPU."""
+    if path == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+        def fail(*args):
+            raise AssertionError("the torch path ran")
+
+        monkeypatch.setattr(bitmask_kernel, "apply_token_bitmask_torch", fail)
     gen = torch.Generator().manual_seed(0)
-    vocab = 77  # not a multiple of 32: the last word is partly padding
+    vocab, tokenizer_vocab = 77, 40  # neither a multiple of 32
     logits = torch.randn(5, vocab, generator=gen, dtype=torch.float64)
-    words = torch.randint(-(2**31), 2**31 - 1, (5, 3), generator=gen, dtype=torch.int64)
-    words[1] = -1  # every token
-    words[2] = 0  # none
-    bitmask = words.to(torch.int32)
+    rows = [1, 2, 4]
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 2), generator=gen, dtype=torch.int64)
+    last = (1 << (tokenizer_vocab - 32)) - 1  # llguidance leaves the ids past it unset
+    words[:, 1] &= last
+    words[1] = 0  # none
+    words[2] = torch.tensor([-1, last])  # every id the tokenizer has
     want = logits.clone()
-    for r in range(5):
+    for k, r in enumerate(rows):
         for i in range(vocab):
-            if not (int(words[r, i // 32]) >> (i % 32)) & 1:
+            if i >= tokenizer_vocab or not (int(words[k, i // 32]) >> (i % 32)) & 1:
                 want[r, i] = -math.inf
     got = logits.clone()
-    apply_bitmask(got, bitmask)
+    apply_token_bitmask(got, torch.tensor(rows, dtype=torch.int32), words.to(torch.int32))
     assert torch.equal(got, want)
-    assert torch.equal(got[1], logits[1])
+    assert torch.equal(got[2], torch.full((vocab,), -math.inf, dtype=torch.float64))
+    assert torch.equal(got[4][:tokenizer_vocab], logits[4][:tokenizer_vocab])
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])  # unconstrained rows keep every token
 
 
-@pytest.mark.parametrize("threads", [False, True])
-def test_fill_bitmask_rows_plain_constrained_and_drafts(monkeypatch, threads):
+@pytest.mark.parametrize(("plain", "threads"), [(1, True), (2, True), (2, False)])
+def test_fill_bitmask_lists_the_constrained_rows_plain_and_drafts(monkeypatch, plain, threads):
+    """Rows without drafts are filled in one call over llguidance's threads when there are
+    several and the vocabulary is large, else one by one; a request's draft rows as far as its
+    grammar accepts the drafts."""
     if threads:  # llguidance's thread pool, as for large vocabularies
         monkeypatch.setattr(bitmask, "PARALLEL_FROM_VOCAB", 0)
-    compiler = GrammarCompiler(ByteTokenizer(), TINY_VOCAB)
+    compiler = GrammarCompiler(ByteTokenizer())
     regex = StructuredOutputsParams(regex="ab[0-9]c")
     rows = [
         SamplingRow("free", SamplingParams(), 0),
@@ -87,21 +105,24 @@ def test_fill_bitmask_rows_plain_constrained_and_drafts(monkeypatch, threads):
     moved = compiler.matcher(regex)
     moved.consume_tokens([97, 98])
     matchers = [None, compiler.matcher(regex), moved, compiler.matcher(regex)]
-    mask = fill_bitmask(rows, matchers, compiler.words, 258, LLExecutor())
-    assert mask.shape == (1 + 1 + 1 + 4, -(-TINY_VOCAB // 32))
-    assert (mask[0] == -1).all()
+    if plain == 1:
+        matchers[2] = None
+    mask = fill_bitmask(rows, matchers, 258, LLExecutor())
     digits = set(range(ord("0"), ord("9") + 1))
-    assert _allowed(mask[1], TINY_VOCAB) == {ord("a")}
-    assert _allowed(mask[2], TINY_VOCAB) == digits  # its own state: after "ab"
-    assert _allowed(mask[3], TINY_VOCAB) == {ord("a")}  # before any draft
-    assert _allowed(mask[4], TINY_VOCAB) == {ord("b")}  # after draft "a"
-    assert _allowed(mask[5], TINY_VOCAB) == digits  # after "ab"
-    assert (mask[6] == -1).all()  # after the forbidden "x": unused
+    want = {1: {ord("a")}, 2: digits}  # row 2: its own state, after "ab"
+    # the drafts' rows: before any draft, after draft "a", after "ab"; the one after "x" is free
+    want.update({3: {ord("a")}, 4: {ord("b")}, 5: digits})
+    if plain == 1:
+        del want[2]
+    assert mask.bits.shape == (len(want), -(-258 // 32))
+    assert mask.rows.tolist() == sorted(want)
+    assert [_allowed(bits) for bits in mask.bits] == [want[r] for r in sorted(want)]
     assert matchers[3].validate_tokens([97]) == 1  # the drafts left the matcher where it was
+    assert fill_bitmask(rows[:1], matchers[:1], 258, LLExecutor()) is None  # none constrained
 
 
 def test_grammars_are_cached_and_bad_ones_name_the_problem():
-    compiler = GrammarCompiler(ByteTokenizer(), TINY_VOCAB)
+    compiler = GrammarCompiler(ByteTokenizer())
     a = compiler.matcher(StructuredOutputsParams(json=SCHEMA))
     b = compiler.matcher(StructuredOutputsParams(json=json.dumps(SCHEMA)))
     assert len(compiler._cache) == 1 and a is not b  # one compile, a matcher per request

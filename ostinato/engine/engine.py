@@ -59,7 +59,7 @@ class LLMEngine:
         self.config = config
         self.vocab_size = self.hf_config.vocab_size
         self.tokenizer = load_tokenizer(config.model)
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer)
         self.executor = create_executor(config, self.hf_config)
         self.runner = self.executor.runner  # the driver's own stage
         num_blocks = self.executor.num_blocks

@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
-
 from ostinato.config import EngineConfig
 from ostinato.runner.model_runner import ModelRunner
 from ostinato.runner.sampler import SamplerOutput
 from ostinato.runner.step import StepInput
+from ostinato.structured.bitmask import TokenBitmask
 
 
 class PendingStep(Protocol):
@@ -45,7 +44,7 @@ class HeldSample:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner, self.sampled = runner, None
 
-    def sample(self, bitmask: np.ndarray) -> None:
+    def sample(self, bitmask: TokenBitmask | None) -> None:
         self.sampled = self.runner.sample_held(bitmask)
 
     def result(self) -> SamplerOutput:

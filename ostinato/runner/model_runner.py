@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from ostinato.attention import get_attention_backend
@@ -33,6 +32,7 @@ from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
 from ostinato.runner.sampler import PromptScores, SampledTokens, Sampler, SamplerOutput
 from ostinato.runner.step import StepInput, build_step, dummy_step
+from ostinato.structured.bitmask import TokenBitmask
 
 logger = logging.getLogger("ostinato")
 
@@ -271,7 +271,7 @@ class ModelRunner:
         self._share(step, self.last_sampled.tokens)
         return self.last_sampled
 
-    def sample_held(self, bitmask: np.ndarray) -> SampledTokens:
+    def sample_held(self, bitmask: TokenBitmask | None) -> SampledTokens:
         """Sample the last launched step, which waited for its token bitmask."""
         (logits, rows, inputs, prompt), self.held = self.held, None
         return self._sample(logits, rows, bitmask, inputs, prompt)

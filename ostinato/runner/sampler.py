@@ -7,15 +7,15 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from ostinato.kernels.bitmask import apply_token_bitmask
 from ostinato.runner.deadline import wait_for
 from ostinato.runner.logits_processors import on_device as _on
 from ostinato.runner.logits_processors import process_logits
 from ostinato.runner.step import PromptRows, SamplingRow
 from ostinato.speculative.rejection import accepted_prefix, race
-from ostinato.structured.bitmask import apply_bitmask
+from ostinato.structured.bitmask import TokenBitmask
 
 
 @dataclass
@@ -158,7 +158,7 @@ class Sampler:
         self.timeout = timeout
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: np.ndarray | None = None
+        self, logits: torch.Tensor, rows: list[SamplingRow], bitmask: TokenBitmask | None = None
     ) -> SamplerOutput:
         return self.launch(logits, rows, bitmask).result()
 
@@ -166,14 +166,14 @@ class Sampler:
         self,
         logits: torch.Tensor,
         rows: list[SamplingRow],
-        bitmask: np.ndarray | None = None,
+        bitmask: TokenBitmask | None = None,
         input_tokens: Callable[[], torch.Tensor] | None = None,
         prompt: PromptScores | None = None,
     ) -> SampledTokens:
         """Sample on the device without waiting for it. logits [sum of 1 +
         len(row.draft_token_ids), vocab]: each row's logits rows in order (see SamplingRow);
         every logits row gets a sample, and a draft stands when its row sampled it.
-        bitmask: the tokens each logits row may take (structured outputs; see
+        bitmask: the tokens each constrained logits row may take (structured outputs; see
         ostinato/structured/bitmask.py), applied first: logprobs are those of the masked
         distribution, and a draft the grammar forbids is rejected.
         input_tokens(): each logits row's input token on the device (penalties read a token
@@ -181,7 +181,8 @@ class Sampler:
         min_tokens and min_p change the logits."""
         logits = logits.float()
         if bitmask is not None:
-            apply_bitmask(logits, _on(logits.device, torch.from_numpy(bitmask)))
+            data = _on(logits.device, torch.from_numpy(bitmask.data))
+            apply_token_bitmask(logits, *bitmask.split(data))
         owners = [row for row in rows for _ in range(1 + len(row.draft_token_ids))]
         processed = process_logits(logits, rows, owners, input_tokens)
         if all(row.params.greedy for row in rows):

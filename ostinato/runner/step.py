@@ -12,6 +12,7 @@ from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
 from ostinato.lora.slots import AdapterSlots, LoRALoad
 from ostinato.sampling_params import SamplingParams
+from ostinato.structured.bitmask import TokenBitmask
 
 Dispatch = Callable[[int, int, int | None, int], tuple[CudaGraphMode, BatchDescriptor]]
 
@@ -69,10 +70,10 @@ class StepInput:
     the previous step's sampled token of logits row placeholder_rows[i] into input token
     placeholder_tokens[i] on the device.
 
-    bitmask [logits rows, ceil(vocab / 32)] int32: the tokens each logits row may sample when
-    a request has structured outputs (None: no constraint). When a constrained request's
-    grammar waits for the token in flight, mask_pending is set instead: the step's forward
-    runs at once and its sampling waits for the engine to hand over the mask.
+    bitmask: the tokens each constrained logits row may sample (structured outputs; None: no
+    constraint; see ostinato/structured/bitmask.py). When a constrained request's grammar
+    waits for the token in flight, mask_pending is set instead: the step's forward runs at
+    once and its sampling waits for the engine to hand over the mask.
     """
 
     mode: CudaGraphMode
@@ -89,7 +90,7 @@ class StepInput:
     lora_loads: tuple[LoRALoad, ...] = ()
     placeholder_tokens: np.ndarray | None = None
     placeholder_rows: np.ndarray | None = None
-    bitmask: np.ndarray | None = None
+    bitmask: TokenBitmask | None = None
     mask_pending: bool = False
     prompt_rows: list[PromptRows] = field(default_factory=list)
 

@@ -1,76 +1,100 @@
 """Token bitmasks: one bit per vocabulary id (bit i % 32 of int32 word i // 32), 1 = allowed.
 
-Filled on the host from each constrained request's grammar state; applied to the logits on
-the device before sampling."""
+Filled on the host from each constrained request's grammar state, for the constrained logits
+rows only and as wide as the tokenizer's vocabulary (the model's may be wider); applied to the
+logits on the device before sampling (ostinato/kernels/bitmask.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-ALL = -1  # an int32 word with every bit set
 # Waking llguidance's thread pool costs more than a small vocabulary's masks (measured on a
 # CPU: 0.1-5 ms for 4-32 rows of the byte tokenizer, against ~1 us a row one after another);
 # a real tokenizer's mask takes tens of microseconds a row, which the threads share.
 PARALLEL_FROM_VOCAB = 16384
 
 
+@dataclass
+class TokenBitmask:
+    """The tokens a step's constrained logits rows may take: `rows` (int32 [k]) lists those
+    rows, `bits` (int32 [k, words]) row i's allowed ids; ids from 32 * words on are never
+    allowed, and logits rows not listed take any token. Both live in one buffer, `data`, so
+    they reach the device in one copy."""
+
+    data: np.ndarray  # int32 [k * words + k]: bits, then rows
+    words: int
+
+    @classmethod
+    def for_rows(cls, rows: Sequence[int], words: int) -> TokenBitmask:
+        """A mask of these logits rows, their bits still to be written."""
+        k = len(rows)
+        data = np.empty(k * words + k, dtype=np.int32)
+        data[k * words :] = rows
+        return cls(data, words)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.data) // (self.words + 1)
+
+    def split(self, data: Any = None) -> tuple[Any, Any]:
+        """(rows, bits) as views of `data` (default self.data; or its copy on a device)."""
+        data = self.data if data is None else data
+        k, w = self.num_rows, self.words
+        return data[k * w :], data[: k * w].reshape(k, w)
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self.split()[0]
+
+    @property
+    def bits(self) -> np.ndarray:
+        return self.split()[1]
+
+
 def fill_bitmask(
-    rows: Sequence[Any], matchers: Sequence[Any], words: int, tokenizer_vocab: int, executor: Any
-) -> np.ndarray:
-    """[logits rows, words] int32: rows[i] (a SamplingRow) owns 1 + len(its drafts) logits
-    rows. An unconstrained request allows every token; a constrained one (its llguidance
-    matcher in `matchers`, else None) allows what its grammar allows next, and its row j the
-    tokens allowed after its first j drafts. Rows past a draft the grammar forbids allow every
-    token: that draft is rejected (its masked sample cannot equal it), so they are never used.
-    Ids from tokenizer_vocab on are never allowed in a constrained row."""
-    num_rows = sum(1 + len(row.draft_token_ids) for row in rows)
-    grammar_words = -(-tokenizer_vocab // 32)
-    mask = np.full((num_rows, words), ALL, dtype=np.int32)
-    allowed = np.zeros((num_rows, grammar_words), dtype=np.int32)  # what the matchers write
-    plain: list[tuple[Any, int]] = []
-    constrained: list[int] = []
+    rows: Sequence[Any], matchers: Sequence[Any], tokenizer_vocab: int, executor: Any
+) -> TokenBitmask | None:
+    """The constrained logits rows of a step and what each allows; None when no row is
+    constrained. rows[i] (a SamplingRow) owns 1 + len(its drafts) logits rows. A constrained
+    request (its llguidance matcher in `matchers`, else None) has its row 0 allow what its
+    grammar allows next, and its row j the tokens allowed after its first j drafts, as far as
+    the grammar accepts the drafts: the rows after a draft it forbids are left unconstrained,
+    since that draft is rejected (its masked sample cannot equal it) and they are never used.
+    executor: llguidance's thread pool, which fills the rows without drafts in one call when
+    the vocabulary is large enough to pay for waking it."""
+    listed: list[int] = []  # the constrained logits rows, ascending
+    plain: list[tuple[Any, int]] = []  # (matcher, its row of the mask) of rows without drafts
+    drafted: list[tuple[Any, Sequence[int], int]] = []  # (matcher, drafts it accepts, first row)
     start = 0
     for row, matcher in zip(rows, matchers, strict=True):
+        drafts = row.draft_token_ids
         if matcher is not None:
-            if row.draft_token_ids:
-                used = _fill_drafts(matcher, row.draft_token_ids, allowed, start)
+            if drafts:
+                accepted = drafts[: matcher.validate_tokens(list(drafts))]
+                drafted.append((matcher, accepted, len(listed)))
+                listed.extend(range(start, start + len(accepted) + 1))
             else:
-                plain.append((matcher, start))
-                used = 1
-            constrained.extend(range(start, start + used))
-        start += 1 + len(row.draft_token_ids)
-    if len(plain) > 1 and tokenizer_vocab >= PARALLEL_FROM_VOCAB:  # over llguidance's threads
-        executor.unsafe_compute_mask_ptr(plain, allowed.ctypes.data, grammar_words * 4, num_rows)
+                plain.append((matcher, len(listed)))
+                listed.append(start)
+        start += 1 + len(drafts)
+    if not listed:
+        return None
+    mask = TokenBitmask.for_rows(listed, -(-tokenizer_vocab // 32))
+    bits = mask.bits
+    row_bytes = bits.shape[1] * 4
+    if len(plain) > 1 and tokenizer_vocab >= PARALLEL_FROM_VOCAB:  # one call over its threads
+        executor.unsafe_compute_mask_ptr(plain, bits.ctypes.data, row_bytes, len(listed))
     else:
-        for matcher, row in plain:
-            matcher.unsafe_compute_mask_ptr(allowed[row].ctypes.data, grammar_words * 4)
-    if constrained:
-        mask[constrained] = 0
-        mask[constrained, :grammar_words] = allowed[constrained]
+        for matcher, i in plain:
+            matcher.unsafe_compute_mask_ptr(bits[i].ctypes.data, row_bytes)
+    for matcher, accepted, first in drafted:
+        for j in range(len(accepted) + 1):
+            matcher.unsafe_compute_mask_ptr(bits[first + j].ctypes.data, row_bytes)
+            if j < len(accepted):
+                matcher.consume_token(accepted[j])
+        matcher.rollback(len(accepted))  # the matcher ends where it began
     return mask
-
-
-def _fill_drafts(matcher: Any, drafts: Sequence[int], allowed: np.ndarray, start: int) -> int:
-    """Rows of the drafts the grammar accepts, and of the token after them; the matcher ends
-    where it began. Returns how many rows it filled."""
-    valid = matcher.validate_tokens(list(drafts))
-    for j in range(valid + 1):
-        row = allowed[start + j]
-        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        if j < valid:
-            matcher.consume_token(drafts[j])
-    matcher.rollback(valid)
-    return valid + 1
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set the logits of disallowed tokens to -inf in place. logits [rows, vocab] float,
-    bitmask [rows, ceil(vocab / 32)] int32 on the same device."""
-    vocab = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask[:, :, None] >> shifts) & 1
-    logits.masked_fill_(bits.flatten(1)[:, :vocab] == 0, float("-inf"))

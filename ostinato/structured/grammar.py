@@ -14,12 +14,11 @@ from functools import cached_property
 
 import llguidance
 import llguidance.hf
-import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from ostinato.runner.step import SamplingRow
 from ostinato.sampling_params import StructuredOutputsParams
-from ostinato.structured.bitmask import fill_bitmask
+from ostinato.structured.bitmask import TokenBitmask, fill_bitmask
 
 # Compact JSON (no free whitespace): the model may not pad its answer with blanks forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -71,15 +70,10 @@ class _ByteVocabulary:
 
 
 class GrammarCompiler:
-    """Compiles and caches grammars for one tokenizer; fills the token bitmasks of a step.
+    """Compiles and caches grammars for one tokenizer; fills the token bitmasks of a step."""
 
-    vocab_size: the model's (its logits' width), which may exceed the tokenizer's: ids past
-    the tokenizer are never allowed in a constrained row."""
-
-    def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer, cache_size: int = 256) -> None:
         self._tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.words = -(-vocab_size // 32)  # int32 words of one row's bitmask
         self._cache: OrderedDict[str, LLMatcher] = OrderedDict()
         self.cache_size = cache_size
         self.mask_seconds = 0.0  # host time spent filling bitmasks
@@ -116,10 +110,10 @@ class GrammarCompiler:
 
     def bitmask(
         self, rows: Sequence[SamplingRow], matchers: Sequence[LLMatcher | None]
-    ) -> np.ndarray:
-        """The allowed tokens of every logits row of a step (see fill_bitmask), timed."""
+    ) -> TokenBitmask | None:
+        """The allowed tokens of a step's constrained logits rows (see fill_bitmask), timed."""
         start = time.perf_counter()
-        mask = fill_bitmask(rows, matchers, self.words, self.ll_tokenizer.vocab_size, self.executor)
+        mask = fill_bitmask(rows, matchers, self.ll_tokenizer.vocab_size, self.executor)
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
         return mask
