@@ -123,10 +123,9 @@ def crowded(dtype):
 @pytest.mark.parametrize(
     "config",
     [
-        MoeConfig(1, 8, 16, 1, 4, 1),  # FMAs, one pair a block, three chunks of K
+        MoeConfig(1, 8, 16, 1, 4, 1),  # FMAs, three chunks of K (down: two)
         MoeConfig(1, 16, 16, 3, 4, 1),  # FMAs, K split in three (down: in two)
-        MoeConfig(2, 8, 32, 2, 4, 1),  # FMAs, two pairs a block, K split in two
-        MoeConfig(4, 16, 16, 1, 4, 1),  # FMAs, four pairs a block
+        MoeConfig(1, 4, 32, 2, 4, 1),  # FMAs, K split in two (down: whole)
         MoeConfig(16, 16, 16, 3, 4, 3),  # tl.dot, K split in three
         MoeConfig(16, 32, 32, 2, 4, 3),  # tl.dot, K split in two (down: whole)
     ],
@@ -153,15 +152,15 @@ def test_moe_config_chooses_from_shapes_a_launch_both_gemms_share():
     """qwen3-30b-a3b's experts on 132 SMs: FMAs for decode, tl.dot with K split to fill the
     GPU for a few dozen tokens, the old launch for large batches; each valid for the kernel."""
     for pairs in (1, 8, 64, 65, 256, 257, 4096):
-        up = moe_config(pairs, 768, 2048, True, 128, 132)
-        down = moe_config(pairs, 2048, 768, False, 128, 132)
-        assert up.block_m == down.block_m
-        assert (up.block_m < moe.DOT_BLOCK_M) == (pairs <= moe.FMA_PAIRS)
-        for config, n, rows in ((up, 768, 2), (down, 2048, 1)):
-            if config.block_m < moe.DOT_BLOCK_M:
-                assert config.block_m * config.block_n * config.block_k * rows <= moe.FMA_TERMS
+        up = moe_config(pairs, 768, 2048, True, 2, 128, 132)
+        down = moe_config(pairs, 2048, 768, False, 2, 128, 132)
+        assert up.block_m == down.block_m == (1 if pairs <= moe.FMA_PAIRS else 16)
+        for config, n, k, rows in ((up, 768, 2048, 2), (down, 2048, 768, 1)):
+            span = -(-k // config.split)
+            if config.block_m == 1:  # the unrolled span's loads fit
+                assert rows * config.block_n * span * 2 <= moe.FMA_LOADS
             tiles = num_blocks(pairs, 128, config.block_m) * -(-n // config.block_n)
             assert config.split == 1 or tiles <= SPLIT_COUNTS
             if pairs > moe.SMALL_PAIRS:
                 assert config == MoeConfig(16, 64, 64, 1, 4, 3)  # the launch before issue 21
-    assert moe_config(256, 64, 1024, True, 2, 4).split > 1  # two experts: 2 programs, 4 SMs
+    assert moe_config(256, 64, 1024, True, 2, 2, 4).split > 1  # two experts: 2 programs, 4 SMs

@@ -47,7 +47,7 @@ def num_sms(device: torch.device, interpreted: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-SPLIT_COUNTS = 1 << 14  # counts per device for split-K launches: output tiles of one launch
+SPLIT_COUNTS = 1 << 16  # counts per device for split-K launches: output tiles of one launch
 _split_counts: dict[torch.device, torch.Tensor] = {}
 
 

@@ -229,7 +229,7 @@ def _align_triton(topk_ids, num_experts, block_m, blocks):
 class MoeConfig(NamedTuple):
     """A launch of _moe_gemm_kernel. The two GEMMs of a call share block_m (align's)."""
 
-    block_m: int  # pairs per block: DOT_BLOCK_M for tl.dot, or 1-4 for FMAs and a sum
+    block_m: int  # pairs per block: 1 (FMAs) or DOT_BLOCK_M (tl.dot)
     block_n: int  # output columns per program (of each of gate and up when gated)
     block_k: int  # K columns per step
     split: int  # programs along K; the last of a tile to finish sums their fp32 partials
@@ -237,53 +237,57 @@ class MoeConfig(NamedTuple):
     num_stages: int
 
 
-# Chosen from benchmarks/bench_kernels.py --sections moe,moe-sweep on the H100 (see
-# moe_config): the launch of each batch size.
-FMA_PAIRS = 64  # up to here (8 tokens of top-8) blocks of FMA_BLOCK_M pairs by FMAs
-FMA_BLOCK_M = 1
+# The launch of each batch size (moe_config); bench_kernels.py's moe and moe-sweep sections
+# time them on the GPU.
+FMA_PAIRS = 64  # up to here (8 tokens of top-8) blocks of one pair, by FMAs
 FMA_BLOCK_K = 256
-FMA_TERMS = 8192  # fp32 terms a program holds (64 registers a thread at 4 warps)
-MAX_SPAN = 4096  # FMAs: longer rows split over programs (the span is unrolled)
+FMA_LOADS = 64 << 10  # weight bytes a program's unrolled span loads at once: 128 registers
+MAX_SPAN = 4096  # FMAs: longer rows split over programs
+FMA_PROGRAMS = 512  # FMAs: enough programs to keep every SM's memory pipe busy
 SMALL_PAIRS = 256  # up to here (32 tokens) tl.dot with SMALL_DOT, K split to fill the GPU
 SMALL_DOT = MoeConfig(DOT_BLOCK_M, 64, 128, 1, 4, 4)
 LARGE_DOT = MoeConfig(DOT_BLOCK_M, 64, 64, 1, 4, 3)  # every batch's launch before issue 21
-_PROGRAMS = 512  # FMAs: enough programs to keep every SM's memory pipe busy
 
 
 @functools.cache
-def moe_config(pairs: int, n: int, k: int, gated: bool, experts: int, sms: int) -> MoeConfig:
+def moe_config(
+    pairs: int, n: int, k: int, gated: bool, itemsize: int, experts: int, sms: int
+) -> MoeConfig:
     """The launch of one grouped GEMM over `pairs` (token, choice) pairs of n output columns
-    (of each of gate and up when gated) and K = k, from shapes alone (fixed under a graph,
-    whatever the routing); block_m follows from pairs alone, so both GEMMs of a call agree.
+    (of each of gate and up when gated), K = k and weights of `itemsize` bytes, from shapes
+    alone (fixed under a graph, whatever the routing); block_m follows from pairs alone, so
+    both GEMMs of a call agree.
 
-    A decode batch's blocks hold one or a few real pairs (8 tokens of top-8 over 128 experts:
-    1.2 pairs per active expert, 32 tokens: 2.3), so tl.dot's 16-row tile is mostly padding,
-    and the old launch's grid (8 experts x 12 column tiles for gate|up at one token) left SMs
-    idle, each program's K loop serial. Up to FMA_PAIRS pairs: FMA_BLOCK_M pairs a block by
-    FMAs, as fp8.py's one-row kernel: few weight rows per program so about _PROGRAMS programs
-    hold their loads in flight, the span unrolled; the fp32 terms bounded by FMA_TERMS. Up to
-    SMALL_PAIRS: tl.dot, K split until there are about two programs per SM (each split at
-    least 4 steps long). Above: the old launch, whose grid is large enough."""
-    block_m = FMA_BLOCK_M if pairs <= FMA_PAIRS else DOT_BLOCK_M
-    blocks = num_blocks(pairs, experts, block_m)  # the most a routing can fill
+    A decode batch's experts hold one or a few pairs each (top-8 of 128 experts: 1.2 pairs
+    an active expert at 8 tokens, 2.3 at 32), so tl.dot's 16-row tile is mostly padding, and
+    the old launch's grid (8 experts x 12 column tiles for gate|up at one token) left SMs
+    idle, each program's K loop serial. Up to FMA_PAIRS pairs: a block per pair, by FMAs as
+    fp8.py's one-row kernel (an expert's blocks are neighbours in the grid, so its second
+    pair's weights come from L2): few weight rows per program, about FMA_PROGRAMS programs,
+    each span unrolled so all its loads are in flight, as many rows as FMA_LOADS holds (more
+    spill registers). Up to SMALL_PAIRS: tl.dot, K split until there are about two programs
+    per SM (each split at least 4 steps long). Above: the old launch, whose grid is large
+    enough."""
     rows = 2 if gated else 1
-    if block_m < DOT_BLOCK_M:
+    if pairs <= FMA_PAIRS:
         block_k = min(FMA_BLOCK_K, max(16, triton.next_power_of_2(k)))
-        widest = max(1, FMA_TERMS // (block_m * block_k * rows))
-        block_n = min(16, widest, max(4, triton.next_power_of_2(blocks * n) // _PROGRAMS))
-        config = MoeConfig(block_m, block_n, block_k, triton.cdiv(k, MAX_SPAN), 4, 1)
+        split = triton.cdiv(k, MAX_SPAN)
+        span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        fits = max(1, FMA_LOADS // (rows * span * itemsize))
+        wide = max(4, triton.next_power_of_2(pairs * n) // FMA_PROGRAMS)
+        block_n = min(16, 1 << (fits.bit_length() - 1), wide)
+        config = MoeConfig(1, block_n, block_k, split, 4, 1)
     else:
         base = SMALL_DOT if pairs <= SMALL_PAIRS else LARGE_DOT
         block_n = min(base.block_n, max(16, triton.next_power_of_2(n)))
         block_k = min(base.block_k, max(16, triton.next_power_of_2(k)))
         split = 1
-        if pairs <= SMALL_PAIRS:
-            programs = min(blocks, experts) * triton.cdiv(n, block_n)
+        if pairs <= SMALL_PAIRS:  # about one block an active expert at these sizes
+            programs = min(experts, pairs) * triton.cdiv(n, block_n)
             split = max(1, min(2 * sms // programs, k // (4 * block_k)))
         config = base._replace(block_n=block_n, block_k=block_k, split=split)
-    if blocks * triton.cdiv(n, config.block_n) > SPLIT_COUNTS:
-        config = config._replace(split=1)
-    return config
+    tiles = num_blocks(pairs, experts, config.block_m) * triton.cdiv(n, config.block_n)
+    return config if tiles <= SPLIT_COUNTS else config._replace(split=1)
 
 
 def _span(k: int, config: MoeConfig) -> tuple[int, int]:
@@ -306,9 +310,9 @@ def _moe_gemm_kernel(
     nothing.
 
     BLOCK_M >= 16: tl.dot in a pipelined K loop (F32_DOT: in float32, for float32 models and
-    the interpreter, whose bfloat16 dot is wrong). Else FMAs: each pair's products with a
-    [BLOCK_N, BLOCK_K] weight tile added into a tile of terms, summed once after the last
-    chunk, the chunks unrolled so all their loads are in flight.
+    the interpreter, whose bfloat16 dot is wrong). BLOCK_M == 1: FMAs, the pair's products
+    with each [BLOCK_N, BLOCK_K] weight tile added into a tile of terms, summed once after
+    the last chunk, the chunks unrolled so all their loads are in flight.
 
     SPLIT > 1: each program stores its fp32 partials (gate and up) in part_ptr [SPLIT, pairs,
     N or 2N] and counts itself in sem_ptr[tile]; the last of a tile's programs sums the
@@ -342,21 +346,27 @@ def _moe_gemm_kernel(
                 if GATED:
                     u = tl.load(w_cols[None, :] + up_rows + kk[:, None], mask=w_ok, other=0.0)
                     up = _dot(a, u, up, F32_DOT)
-        else:
-            terms = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            up_terms = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        else:  # BLOCK_M == 1: an expert's block holds one real pair (no padding)
+            pair = tl.load(sorted_ptr + tl.program_id(0))
+            a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+            # the pair's row is loaded as a whole [BLOCK_N, BLOCK_K] tile (repeats come from
+            # L1), in the weight tile's layout: a row would be moved into it through shared
+            # memory at every chunk, a barrier the next chunk's loads would wait behind
+            no_cols = tl.zeros([BLOCK_N], tl.int32)[:, None]
+            terms = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            up_terms = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for c in tl.static_range(SPAN // BLOCK_K):
                 kk = k_lo + c * BLOCK_K + k
-                a = tl.load(a_rows + kk[None, :], mask=pair_ok[:, None] & (kk < K)[None, :],
-                            other=0.0).to(tl.float32)[:, None, :]  # fmt: skip
+                a = tl.load(a_row + no_cols + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                a = a.to(tl.float32)
                 w_ok = col_ok[:, None] & (kk < K)[None, :]
                 w = tl.load(w_cols[:, None] + kk[None, :], mask=w_ok, other=0.0)
-                terms += a * w.to(tl.float32)[None, :, :]
+                terms += a * w.to(tl.float32)
                 if GATED:
                     u = tl.load(w_cols[:, None] + up_rows + kk[None, :], mask=w_ok, other=0.0)
-                    up_terms += a * u.to(tl.float32)[None, :, :]
-            acc = tl.sum(terms, axis=2)
-            up = tl.sum(up_terms, axis=2)
+                    up_terms += a * u.to(tl.float32)
+            acc = tl.sum(terms, axis=1)[None, :]
+            up = tl.sum(up_terms, axis=1)[None, :]
         ok = pair_ok[:, None] & col_ok[None, :]
         if SPLIT > 1:
             width = 2 * N if GATED else N
@@ -390,8 +400,10 @@ def _moe_gemm_kernel(
 @jit
 def _dot(a, w, acc, F32_DOT: tl.constexpr):
     if F32_DOT:
-        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, w, acc)
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
 
 
 def moe_gemm(
@@ -409,14 +421,16 @@ def moe_gemm(
     pairs, n = out.shape
     k = a.shape[1]
     span, split = _span(k, config)
-    blocks = block_experts.shape[0]
+    blocks, tiles = block_experts.shape[0], triton.cdiv(n, config.block_n)
+    assert config.block_m == 1 or config.block_m >= DOT_BLOCK_M
     assert sorted_ids.shape[0] == blocks * config.block_m
     part = sem = out  # unused without a split
     if split > 1:
+        assert blocks * tiles <= SPLIT_COUNTS, "a split launch counts each tile"
         part = torch.empty(split, pairs, 2 * n if gated else n, dtype=torch.float32,
                            device=out.device)  # fmt: skip
         sem = split_counts(out.device, "MoE GEMM")
-    grid = (blocks, triton.cdiv(n, config.block_n), split)
+    grid = (blocks, tiles, split)
     _moe_gemm_kernel[grid](
         a, w, out, sorted_ids, block_experts, out if weights is None else weights, part, sem,
         n, k, pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
@@ -432,10 +446,10 @@ def moe_configs(
 ) -> tuple[MoeConfig, MoeConfig]:
     """moe_config of the gate|up GEMM and of the down GEMM."""
     experts, hidden, inter = w2.shape
-    sms = num_sms(device, 4)
+    sms, size = num_sms(device, 4), w13.element_size()
     return (
-        moe_config(pairs, inter, hidden, True, experts, sms),
-        moe_config(pairs, hidden, inter, False, experts, sms),
+        moe_config(pairs, inter, hidden, True, size, experts, sms),
+        moe_config(pairs, hidden, inter, False, size, experts, sms),
     )
 
 
