@@ -237,8 +237,8 @@ class MoeConfig(NamedTuple):
     num_stages: int
 
 
-# The launch of each batch size (moe_config); bench_kernels.py's moe and moe-sweep sections
-# time them on the GPU.
+# The launch of each batch size (moe_config), provisional until set from bench_kernels.py's
+# moe and moe-sweep sections on the H100 (qwen3-30b-a3b's experts at 1, 8 and 32 tokens).
 FMA_PAIRS = 64  # up to here (8 tokens of top-8) blocks of one pair, by FMAs
 FMA_BLOCK_K = 256
 FMA_LOADS = 64 << 10  # weight bytes a program's unrolled span loads at once: 128 registers
