@@ -158,7 +158,8 @@ def test_moe_config_chooses_from_shapes_a_launch_both_gemms_share():
         for config, n, k, rows in ((up, 768, 2048, 2), (down, 2048, 768, 1)):
             span = -(-k // config.split)
             if config.block_m == 1:  # the unrolled span's loads fit
-                assert rows * config.block_n * span * 2 <= moe.FMA_LOADS
+                threads = 32 * config.num_warps
+                assert rows * config.block_n * span * 2 <= moe.FMA_THREAD_LOADS * threads
             tiles = num_blocks(pairs, 128, config.block_m) * -(-n // config.block_n)
             assert config.split == 1 or tiles <= SPLIT_COUNTS
             if pairs > moe.SMALL_PAIRS:

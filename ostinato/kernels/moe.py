@@ -241,7 +241,8 @@ class MoeConfig(NamedTuple):
 # moe and moe-sweep sections on the H100 (qwen3-30b-a3b's experts at 1, 8 and 32 tokens).
 FMA_PAIRS = 64  # up to here (8 tokens of top-8) blocks of one pair, by FMAs
 FMA_BLOCK_K = 256
-FMA_LOADS = 64 << 10  # weight bytes a program's unrolled span loads at once: 128 registers
+FMA_WARPS = 4
+FMA_THREAD_LOADS = 512  # weight bytes a thread's unrolled span loads at once: 128 registers
 MAX_SPAN = 4096  # FMAs: longer rows split over programs
 FMA_PROGRAMS = 512  # FMAs: enough programs to keep every SM's memory pipe busy
 SMALL_PAIRS = 256  # up to here (32 tokens) tl.dot with SMALL_DOT, K split to fill the GPU
@@ -264,19 +265,19 @@ def moe_config(
     idle, each program's K loop serial. Up to FMA_PAIRS pairs: a block per pair, by FMAs as
     fp8.py's one-row kernel (an expert's blocks are neighbours in the grid, so its second
     pair's weights come from L2): few weight rows per program, about FMA_PROGRAMS programs,
-    each span unrolled so all its loads are in flight, as many rows as FMA_LOADS holds (more
-    spill registers). Up to SMALL_PAIRS: tl.dot, K split until there are about two programs
-    per SM (each split at least 4 steps long). Above: the old launch, whose grid is large
-    enough."""
+    each span unrolled so all its loads are in flight, as many rows as FMA_THREAD_LOADS a
+    thread holds (more spill registers). Up to SMALL_PAIRS: tl.dot, K split until there are
+    about two programs per SM (each split at least 4 steps long). Above: the old launch,
+    whose grid is large enough."""
     rows = 2 if gated else 1
     if pairs <= FMA_PAIRS:
         block_k = min(FMA_BLOCK_K, max(16, triton.next_power_of_2(k)))
         split = triton.cdiv(k, MAX_SPAN)
         span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        fits = max(1, FMA_LOADS // (rows * span * itemsize))
+        fits = max(1, FMA_THREAD_LOADS * 32 * FMA_WARPS // (rows * span * itemsize))
         wide = max(4, triton.next_power_of_2(pairs * n) // FMA_PROGRAMS)
         block_n = min(16, 1 << (fits.bit_length() - 1), wide)
-        config = MoeConfig(1, block_n, block_k, split, 4, 1)
+        config = MoeConfig(1, block_n, block_k, split, FMA_WARPS, 1)
     else:
         base = SMALL_DOT if pairs <= SMALL_PAIRS else LARGE_DOT
         block_n = min(base.block_n, max(16, triton.next_power_of_2(n)))
