@@ -156,7 +156,7 @@ def test_moe_config_chooses_from_shapes_a_launch_both_gemms_share():
         down = moe_config(pairs, 2048, 768, False, 2, 128, 132)
         assert up.block_m == down.block_m == (1 if pairs <= moe.FMA_PAIRS else 16)
         for config, n, k, rows in ((up, 768, 2048, 2), (down, 2048, 768, 1)):
-            span = -(-k // config.split)
+            span = moe._span(k, config)[0]
             if config.block_m == 1:  # the unrolled span's loads fit
                 threads = 32 * config.num_warps
                 assert rows * config.block_n * span * 2 <= moe.FMA_THREAD_LOADS * threads
