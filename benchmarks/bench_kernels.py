@@ -5,11 +5,13 @@
 Measures the device-to-device copy bandwidth and the bf16 matmul rate (the two ceilings),
 decode and prefill paged attention in a Llama-3.1-8B layer shape against them, the fused
 norm / RoPE + KV store / activation kernels against the torch sequences they replace, the
-small-batch projection kernel against cuBLAS, and (`fp8`) the FP8 small-batch kernel against
-the one it replaced, bf16 cuBLAS and the copy floor. Kernels are timed inside CUDA graphs, as the
-engine runs them: no launch overhead, and each captured call reads its own KV blocks or
-weights so the L2 cache cannot serve repeats. The `sweep` section also times other launch
-configurations of the attention kernel, to tune `choose_config`.
+small-batch projection kernel against cuBLAS, (`fp8`) the FP8 small-batch kernel against
+the one it replaced, bf16 cuBLAS and the copy floor, and (`moe`) qwen3-30b-a3b's fused MoE
+GEMMs at decode sizes against their launch before and the copy floor. Kernels are timed inside
+CUDA graphs, as the engine runs them: no launch overhead, and each captured call reads its own
+KV blocks or weights so the L2 cache cannot serve repeats. The `sweep`, `fp8-sweep` and
+`moe-sweep` sections also time other launch configurations, to tune `choose_config`,
+`gemv_config` and `moe_config`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ostinato.kernels import fp8, fused_add_rms_norm, rms_norm, rope_and_store, silu_and_mul
+from ostinato.kernels import fp8, fused_add_rms_norm, moe, rms_norm, rope_and_store, silu_and_mul
 from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.gemv import gemv
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
@@ -438,6 +440,158 @@ def _fp8_short(config) -> str:
             f"{config.num_warps} warps, {config.num_stages} stages")  # fmt: skip
 
 
+# ---- mixture of experts --------------------------------------------------------------------
+
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN, MOE_INTER = 128, 8, 2048, 768  # qwen3-30b-a3b
+MOE_TOKENS = (1, 8, 32)
+MOE_CALLS = 16  # captured back to back, each with its own routing
+MOE_BEFORE = moe.MoeConfig(16, 64, 64, 1, 4, 3)  # every batch's launch before issue 21
+MOE_GEMMS = {  # name: (output columns, K, active bytes of one expert)
+    "gate|up": (MOE_INTER, MOE_HIDDEN, 2 * MOE_INTER * MOE_HIDDEN * 2),
+    "down": (MOE_HIDDEN, MOE_INTER, MOE_HIDDEN * MOE_INTER * 2),
+}
+MOE_VARIANTS = [
+    # FMAs, a block per pair: weight rows, K step, splits, warps; 1 stage (the span unrolled)
+    moe.MoeConfig(1, 8, 256, 1, 4, 1), moe.MoeConfig(1, 16, 256, 1, 4, 1),
+    moe.MoeConfig(1, 4, 256, 1, 4, 1), moe.MoeConfig(1, 8, 512, 1, 4, 1),
+    moe.MoeConfig(1, 16, 256, 2, 4, 1), moe.MoeConfig(1, 8, 256, 2, 4, 1),
+    moe.MoeConfig(1, 4, 256, 2, 4, 1), moe.MoeConfig(1, 16, 256, 1, 8, 1),
+    moe.MoeConfig(1, 32, 256, 2, 8, 1),
+    # tl.dot on 16 pairs a block: columns, K step, splits, warps, stages
+    MOE_BEFORE, moe.MoeConfig(16, 64, 128, 1, 4, 4), moe.MoeConfig(16, 64, 128, 2, 4, 4),
+    moe.MoeConfig(16, 64, 128, 4, 4, 4), moe.MoeConfig(16, 32, 128, 2, 4, 4),
+    moe.MoeConfig(16, 32, 256, 1, 4, 3), moe.MoeConfig(16, 16, 256, 2, 4, 3),
+    moe.MoeConfig(16, 128, 128, 1, 8, 3), moe.MoeConfig(16, 64, 256, 2, 8, 3),
+]  # fmt: skip
+
+
+class MoeCall:
+    """One captured call's inputs: a layer's experts, a token batch, its top-8 routing from
+    random logits (renormalised, as qwen3-30b-a3b's), its pairs aligned for each block size."""
+
+    def __init__(self, layer: tuple[torch.Tensor, torch.Tensor], tokens: int) -> None:
+        dev, bf16 = "cuda", torch.bfloat16
+        self.w13, self.w2 = layer
+        self.x = torch.randn(tokens, MOE_HIDDEN, device=dev, dtype=bf16)
+        logits = torch.randn(tokens, MOE_EXPERTS, device=dev)
+        self.weights, self.ids = moe.route(logits, MOE_TOP_K, True)
+        pairs = tokens * MOE_TOP_K
+        self.flat_weights = self.weights.reshape(-1).contiguous()
+        self.h = torch.randn(pairs, MOE_INTER, device=dev, dtype=bf16)  # down's input
+        self.outs = {"gate|up": torch.empty_like(self.h),
+                     "down": torch.empty(pairs, MOE_HIDDEN, device=dev, dtype=bf16)}  # fmt: skip
+        self.experts = self.ids.unique().numel()
+        # aligned before any capture, so a timed GEMM is the GEMM alone
+        self.aligned = {m: moe.align(self.ids, MOE_EXPERTS, m) for m in (1, moe.DOT_BLOCK_M)}
+
+    def gemm(self, name: str, config: moe.MoeConfig) -> None:
+        aligned = self.aligned[config.block_m]
+        if name == "gate|up":
+            args = (self.x, self.w13, self.outs[name], *aligned, None, MOE_TOP_K, True)
+        else:
+            args = (self.h, self.w2, self.outs[name], *aligned, self.flat_weights, 1, False)
+        moe.moe_gemm(*args, config)
+
+    def layer(self, configs: tuple[moe.MoeConfig, moe.MoeConfig] | None) -> None:
+        moe.fused_moe(self.x, self.w13, self.w2, self.ids, self.weights, configs)
+
+
+def moe_rings() -> dict[int, list[MoeCall]]:
+    """Per token count, MOE_CALLS calls over two layers' experts in turn (2.4 GB), so no call
+    finds the one before it's weights in L2."""
+    layers = [
+        tuple(
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.02)
+            for shape in ((MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN),
+                          (MOE_EXPERTS, MOE_HIDDEN, MOE_INTER))
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    return {
+        tokens: [MoeCall(layers[i % 2], tokens) for i in range(MOE_CALLS)] for tokens in MOE_TOKENS
+    }
+
+
+def _moe_bytes(ring: list[MoeCall], names: tuple[str, ...]) -> float:
+    """The active experts' bytes a call reads, on average over the ring."""
+    per_expert = sum(MOE_GEMMS[name][2] for name in names)
+    return statistics.mean(call.experts for call in ring) * per_expert
+
+
+def _moe_default(name: str, tokens: int) -> moe.MoeConfig:
+    n, k, _ = MOE_GEMMS[name]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return moe.moe_config(tokens * MOE_TOP_K, n, k, name == "gate|up", 2, MOE_EXPERTS, sms)
+
+
+def moe_rows(rings: dict[int, list[MoeCall]], copy_bw: float) -> list[list[str]]:
+    """Each grouped GEMM and the whole layer (align, both GEMMs, the sum over choices) in
+    moe_config's launches and in the launch before issue 21; the floor: the active experts'
+    weights read at copy bandwidth."""
+    rows = []
+    for name in (*MOE_GEMMS, "layer"):
+        for tokens, ring in rings.items():
+            if name == "layer":
+                names = tuple(MOE_GEMMS)
+                ours = _moe_seconds(ring, name, None)
+                before = _moe_seconds(ring, name, (MOE_BEFORE,) * 2)
+                launch = " / ".join(_moe_short(_moe_default(g, tokens)) for g in names)
+            else:
+                names, config = (name,), _moe_default(name, tokens)
+                ours = _moe_seconds(ring, name, config)
+                before = _moe_seconds(ring, name, MOE_BEFORE)
+                launch = _moe_short(config)
+            active = _moe_bytes(ring, names)
+            rows.append([
+                name, str(tokens), f"{active / 1e6:.1f}", f"{ours * 1e6:.2f}", launch,
+                f"{before * 1e6:.2f}", f"{active / copy_bw * 1e6:.2f}",
+                f"{active / ours / copy_bw:.2f}", f"{active / before / copy_bw:.2f}",
+                f"{before / ours:.2f}x",
+            ])  # fmt: skip
+    return rows
+
+
+def moe_sweep_rows(rings: dict[int, list[MoeCall]], copy_bw: float) -> list[list[str]]:
+    """MOE_VARIANTS of each grouped GEMM at each token count, the five fastest first (then
+    moe_config's choice and the launch before, if slower), to tune moe_config."""
+    rows = []
+    for name in MOE_GEMMS:
+        for tokens, ring in rings.items():
+            active = _moe_bytes(ring, (name,))
+            default = _moe_default(name, tokens)
+            timed = []
+            for config in dict.fromkeys([default, *MOE_VARIANTS]):
+                try:
+                    timed.append((_moe_seconds(ring, name, config), config))
+                except Exception as error:  # a configuration the compiler rejects
+                    print(f"moe {name} {tokens} {config}: {type(error).__name__}: {error}"[:300])
+            timed.sort(key=lambda pair: pair[0])
+            marked = (default, MOE_BEFORE)
+            for seconds, config in timed[:5] + [t for t in timed[5:] if t[1] in marked]:
+                mark = {default: " (default)", MOE_BEFORE: " (before)"}.get(config, "")
+                if config == default == MOE_BEFORE:
+                    mark = " (default, before)"
+                rows.append([
+                    f"{name} x {tokens}", _moe_short(config) + mark, f"{seconds * 1e6:.2f}",
+                    f"{active / seconds / copy_bw:.2f}",
+                ])  # fmt: skip
+    return rows
+
+
+def _moe_seconds(ring: list[MoeCall], name: str, config) -> float:
+    """Seconds per call of one GEMM in one launch, or ("layer") fused_moe in the launches given
+    (None: moe_config's)."""
+    if name == "layer":
+        return graph_seconds([lambda c=c: c.layer(config) for c in ring])
+    return graph_seconds([lambda c=c: c.gemm(name, config) for c in ring])
+
+
+def _moe_short(config: moe.MoeConfig) -> str:
+    kind = "fma" if config.block_m == 1 else "dot"
+    return (f"{kind}, {config.block_n} x {config.block_k}, split {config.split}, "
+            f"{config.num_warps} warps, {config.num_stages} stages")  # fmt: skip
+
+
 # ---- report ------------------------------------------------------------------------------
 
 
@@ -505,7 +659,9 @@ def main() -> None:
         help="comma-separated: decode, prefill, fused, gemv, sweep (launch configurations), "
         "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
         "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
-        "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations)",
+        "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
+        "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
+        "copy bandwidth), moe-sweep (their launch configurations)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
@@ -602,6 +758,37 @@ def main() -> None:
         sections.append(
             "## FP8 small-batch kernel launch configurations (fastest first)\n\n"
             + table(["case", "config", "µs", "of copy"], fp8_sweep_rows(copy_bw))
+        )
+    rings = moe_rings() if chosen & {"moe", "moe-sweep"} else None
+    if "moe" in chosen:
+        sections.append(
+            f"## Mixture of experts, decode sizes (qwen3-30b-a3b: {MOE_EXPERTS} experts, top "
+            f"{MOE_TOP_K}, hidden {MOE_HIDDEN}, expert intermediate {MOE_INTER}; bf16; routing "
+            "from random logits; µs per call in a CUDA graph; floor: the active experts' weights "
+            "read at copy bandwidth)\n\n"
+            + table(
+                [
+                    "GEMM",
+                    "tokens",
+                    "active MB",
+                    "ours µs",
+                    "ours: launch",
+                    "before µs",
+                    "floor µs",
+                    "ours of copy",
+                    "before of copy",
+                    "vs before",
+                ],
+                moe_rows(rings, copy_bw),
+            )  # fmt: skip
+            + "\n\nbefore: every batch's launch before issue 21 (tl.dot on blocks of 16 pairs, "
+            "64 x 64 tiles, no split, 4 warps, 3 stages). layer: align, both GEMMs, the sum "
+            "over a token's choices (gate|up / down launches)."
+        )
+    if "moe-sweep" in chosen:
+        sections.append(
+            "## MoE grouped GEMM launch configurations (fastest first)\n\n"
+            + table(["case", "config", "µs", "of copy"], moe_sweep_rows(rings, copy_bw))
         )
     if "sweep" in chosen:
         sections.append(

@@ -17,7 +17,7 @@
 #                                           # eager decode, prefill attention kernel sweep
 #   bash benchmarks/gpu_session.sh decode   # small-batch decode: fused-kernel tests, latency, kernels/layer
 #   bash benchmarks/gpu_session.sh moe      # the MoE and FP8 GPU tests
-#   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b
+#   bash benchmarks/gpu_session.sh moe-bench  # issue 21's targets: FP8 llama-3.1-8b, qwen3-30b-a3b (its MoE kernels too)
 #   bash benchmarks/gpu_session.sh diag     # FP8 vs its twin, host profile, prefill kernels, fusions
 #   bash benchmarks/gpu_session.sh sdpa     # fresh prefill: torch SDPA backends vs ours, the
 #                                           # prefill step's kernels and host profile
@@ -176,15 +176,19 @@ structured)  # MODEL: tests/gpu/test_structured_gpu.py, then decode with every r
   grep -v "it/s\]" "$OUT/bench.err" | grep -iE "error|warn" | tail -n 15
   ;;
 moe)  # tests/gpu/test_moe.py and test_fp8.py (kernels against float64 math, every graph mode
-  # against eager with the checker on); about 2.5 minutes, at most MOE_TESTS_S (180) seconds
+  # against eager with the checker on); about 2.5 minutes before issue 21's decode launches
+  # added their tests, at most MOE_TESTS_S (300) seconds
   info | tee "$OUT/env.txt"
-  timeout "${MOE_TESTS_S:-180}" python3 -m pytest tests/gpu/test_moe.py tests/gpu/test_fp8.py \
+  timeout "${MOE_TESTS_S:-300}" python3 -m pytest tests/gpu/test_moe.py tests/gpu/test_fp8.py \
     --maxfail=6 -v -p no:cacheprovider -o addopts="" -rs --durations=12 2>&1 | tee "$OUT/moe-tests.log"
   ;;
 moe-bench)  # issue 21's targets, side by side: llama-3.1-8b bf16 vs --quantization fp8 (decode
   # at batch 1 and 32 against its floor, token agreement and logits cosine), then
-  # qwen3-30b-a3b decode eager vs graphs at batch 1 and 32 and its start-up; about 6 minutes
+  # qwen3-30b-a3b decode eager vs graphs at batch 1 and 32 and its start-up; about 6 minutes,
+  # after qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens and their launch sweep (at most 4)
   info | tee "$OUT/env.txt"
+  timeout 240 python3 benchmarks/bench_kernels.py --sections moe,moe-sweep \
+    --out "$OUT/moe-kernels.md" 2>>"$OUT/bench.err" | tail -n 60
   for quant in "" "--quantization fp8"; do
     # shellcheck disable=SC2086  # $quant is two words or none
     python3 -m ostinato.cli bench latency --model random:llama-3.1-8b --json --batch-size 1,32 \

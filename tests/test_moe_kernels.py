@@ -4,7 +4,17 @@ written here: each token's top-k experts, weighted and summed; choices to -1 add
 import pytest
 import torch
 
-from ostinato.kernels.moe import align, align_torch, fused_moe, fused_moe_torch
+from ostinato.kernels import moe
+from ostinato.kernels.dispatch import SPLIT_COUNTS
+from ostinato.kernels.moe import (
+    MoeConfig,
+    align,
+    align_torch,
+    fused_moe,
+    fused_moe_torch,
+    moe_config,
+    num_blocks,
+)
 
 
 def reference(x, w13, w2, ids, weights):
@@ -37,7 +47,13 @@ def problem(tokens, experts, top_k, hidden, inter, seed=0, padded=0):
 
 @pytest.mark.parametrize(
     "tokens, experts, top_k, hidden, inter, padded",
-    [(1, 4, 2, 64, 32, 0), (5, 8, 2, 48, 40, 2), (40, 6, 3, 32, 24, 3), (3, 16, 4, 64, 16, 0)],
+    [
+        (1, 4, 2, 64, 32, 0),
+        (5, 8, 2, 48, 40, 2),
+        (40, 6, 3, 32, 24, 3),
+        (3, 16, 4, 64, 16, 0),
+        (40, 2, 2, 1024, 64, 1),  # tl.dot, gate|up's K split (two experts fill few programs)
+    ],
 )
 @pytest.mark.parametrize("kernel", ["triton", "torch"])
 def test_fused_moe_equals_float64_math(monkeypatch, kernel, tokens, experts, top_k, hidden,
@@ -61,7 +77,7 @@ def test_align_puts_each_pair_in_a_block_of_its_expert_and_padding_nowhere(monke
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         sorted_ids, block_experts = align(ids, num_experts=5, block_m=4)
     else:
-        sorted_ids, block_experts = align_torch(ids, 5, 4, 3 + 5)
+        sorted_ids, block_experts = align_torch(ids, 5, 4, 6)
     pairs = ids.numel()
     flat = ids.flatten()
     seen = []
@@ -74,19 +90,78 @@ def test_align_puts_each_pair_in_a_block_of_its_expert_and_padding_nowhere(monke
         assert all(flat[p] == e for p in real) and real
         seen += real
     assert sorted(seen) == [p for p in range(pairs) if flat[p] >= 0]
-    # bound on blocks from T * K alone: ceil(10 / 4) + min(5, 10)
-    assert block_experts.shape == (3 + 5,)
+    # bound on blocks from T * K alone: (10 pairs + 5 experts x 3 padding slots) // 4
+    assert block_experts.shape == (6,)
     assert block_experts.tolist()[:3] == [0, 2, 3]
 
 
-def test_the_one_program_align_equals_the_torch_one(monkeypatch):
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_the_one_program_align_equals_the_torch_one(monkeypatch, block_m):
     g = torch.Generator().manual_seed(1)
     for tokens, experts, top_k in ((1, 128, 8), (32, 128, 8), (7, 8, 2), (40, 60, 4)):
         ids = torch.rand(tokens, experts, generator=g).topk(top_k, -1).indices.to(torch.int32)
         ids[-1, :] = -1
-        blocks = -(-ids.numel() // 16) + min(experts, ids.numel())
-        want = align_torch(ids, experts, 16, blocks)
+        want = align_torch(ids, experts, block_m, num_blocks(ids.numel(), experts, block_m))
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        got = align(ids, experts)
+        got = align(ids, experts, block_m)
         monkeypatch.delenv("TRITON_INTERPRET")
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def crowded(dtype):
+    """5 tokens of top-3 over 6 experts, odd sizes (hidden 37, intermediate 24): every live
+    token's first choice is expert 1 (one block of several pairs, or several blocks of one
+    expert), expert 5 goes unused, and the last token is padding (its pairs go nowhere, so
+    blocks past the last stay unused)."""
+    x, w13, w2, ids, weights = problem(5, 6, 3, 37, 24, seed=3)
+    ids = torch.tensor(
+        [[1, 0, 2], [1, 3, 4], [1, 2, 0], [1, 4, 3], [-1, -1, -1]], dtype=torch.int32
+    )
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MoeConfig(1, 8, 16, 1, 4, 1),  # FMAs, three chunks of K (down: two)
+        MoeConfig(1, 16, 16, 3, 4, 1),  # FMAs, K split in three (down: in two)
+        MoeConfig(1, 4, 32, 2, 4, 1),  # FMAs, K split in two (down: whole)
+        MoeConfig(16, 16, 16, 3, 4, 3),  # tl.dot, K split in three
+        MoeConfig(16, 32, 32, 2, 4, 3),  # tl.dot, K split in two (down: whole)
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
+def test_every_launch_equals_float64_math(monkeypatch, config, dtype, tol):
+    """The decode launches of both grouped GEMMs, FMAs and split K, against float64 math; a
+    second call gives the same bits (a split leaves its counts at 0)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w13, w2, ids, weights = crowded(dtype)
+    want = reference(x, w13, w2, ids, weights)
+    got = fused_moe(x, w13, w2, ids, weights, configs=(config, config))
+    assert got.dtype == dtype
+    # within the rounding of the dtype (h is stored in it too), relative to the output's size
+    size = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * size)
+    assert got[-1].abs().max() == 0
+    if config.split > 1:
+        again = fused_moe(x, w13, w2, ids, weights, configs=(config, config))
+        torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def test_moe_config_chooses_from_shapes_a_launch_both_gemms_share():
+    """qwen3-30b-a3b's experts on 132 SMs: FMAs for decode, tl.dot with K split to fill the
+    GPU for a few dozen tokens, the old launch for large batches; each valid for the kernel."""
+    for pairs in (1, 8, 64, 65, 256, 257, 4096):
+        up = moe_config(pairs, 768, 2048, True, 2, 128, 132)
+        down = moe_config(pairs, 2048, 768, False, 2, 128, 132)
+        assert up.block_m == down.block_m == (1 if pairs <= moe.FMA_PAIRS else 16)
+        for config, n, k, rows in ((up, 768, 2048, 2), (down, 2048, 768, 1)):
+            span = moe._span(k, config)[0]
+            if config.block_m == 1:  # the unrolled span's loads fit
+                threads = 32 * config.num_warps
+                assert rows * config.block_n * span * 2 <= moe.FMA_THREAD_LOADS * threads
+            tiles = num_blocks(pairs, 128, config.block_m) * -(-n // config.block_n)
+            assert config.split == 1 or tiles <= SPLIT_COUNTS
+            if pairs > moe.SMALL_PAIRS:
+                assert config == MoeConfig(16, 64, 64, 1, 4, 3)  # the launch before issue 21
+    assert moe_config(256, 64, 1024, True, 2, 2, 4).split > 1  # two experts: 2 programs, 4 SMs

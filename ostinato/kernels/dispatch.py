@@ -47,6 +47,24 @@ def num_sms(device: torch.device, interpreted: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+SPLIT_COUNTS = 1 << 16  # counts per device for split-K launches: output tiles of one launch
+_split_counts: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counts(device: torch.device, kernel: str) -> torch.Tensor:
+    """int32 [SPLIT_COUNTS] on this device, zero between launches: a split-K launch counts the
+    programs of each output tile that have stored their partial, and the last resets the
+    count. Kernels on one stream run one after another, so every split kernel shares them.
+    Allocated once, at a first call outside graph capture: a capture would record the zeroing,
+    not run it."""
+    counts = _split_counts.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise variants.ColdKernel(f"{kernel}: a split launch must run once before capture")
+        counts = _split_counts[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+    return counts
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 

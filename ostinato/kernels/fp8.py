@@ -20,8 +20,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels import variants
-from ostinato.kernels.dispatch import interpreting, jit, num_sms, pdl_options, use_triton
+from ostinato.kernels.dispatch import (
+    SPLIT_COUNTS,
+    interpreting,
+    jit,
+    num_sms,
+    pdl_options,
+    split_counts,
+    use_triton,
+)
 from ostinato.kernels.launch import Launch
 
 FP8 = torch.float8_e4m3fn
@@ -30,7 +37,6 @@ GEMV_ROWS = 32  # up to here _fp8_gemv_kernel; above it _scaled_mm or the tiled 
 DOT_ROWS = 2  # from here that kernel's rows go through tl.dot
 MAX_SPAN = 4096  # one row: longer weight rows split over programs
 _PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
-_SEMAPHORES = 1 << 14  # counts per device for split launches: column tiles of one launch
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +156,7 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
         block_k = min(block_k, block[1])
     span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, span)
-    if triton.cdiv(n, block_n) > _SEMAPHORES:
+    if triton.cdiv(n, block_n) > SPLIT_COUNTS:
         span, split = triton.cdiv(k, block_k) * block_k, 1
     return GemvConfig(rows, block_n, block_k, span, split, warps, stages)
 
@@ -290,7 +296,6 @@ def _load_weights(w_rows, kk, col_ok, K, EVEN: tl.constexpr):
 
 
 _launches: dict[tuple, tuple[Launch, GemvConfig]] = {}  # per shape, as kernels/gemv.py keeps
-_semaphores: dict[torch.device, torch.Tensor] = {}
 
 
 def fp8_gemv(
@@ -317,7 +322,7 @@ def fp8_gemv(
     part = sem = x  # unused without a split
     if config.split > 1:
         part = torch.empty(config.split, m, n, dtype=torch.float32, device=x.device)
-        sem = _semaphores_on(x.device)
+        sem = split_counts(x.device, "fp8 GEMV")
     launch(x, w, scale, y, part, sem)
     return y
 
@@ -351,17 +356,6 @@ def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
         num_stages=config.num_stages,
         launch_pdl=pdl["launch_pdl"],
     )
-
-
-def _semaphores_on(device: torch.device) -> torch.Tensor:
-    """The split launches' counts on this device, zero between launches. Allocated once, at a
-    first call outside graph capture: a capture would record the zeroing, not run it."""
-    counts = _semaphores.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise variants.ColdKernel("fp8 GEMV: a split launch must run once before capture")
-        counts = _semaphores[device] = torch.zeros(_SEMAPHORES, dtype=torch.int32, device=device)
-    return counts
 
 
 @jit

@@ -1,23 +1,37 @@
 """Fused mixture-of-experts: every token's top-k experts' SiLU MLPs, weighted and summed.
 
 The (token, choice) pairs are sorted by expert on the device and each expert's run padded to
-whole BLOCK_M blocks (`align`); one grouped GEMM reads each active expert's gate|up rows once
-per block and applies SiLU-and-mul before storing, a second multiplies by the down projection
-and the routing weight; the k choices of a token are then summed. The sizes depend only on the
-token count, never on the routing, so nothing waits for the host and a step is capturable whole.
-A pair routed to expert -1 (a padded token) goes to no block: it costs nothing and adds zero.
+whole blocks of block_m pairs (`align`); one grouped GEMM reads each active expert's gate|up
+rows once per block and applies SiLU-and-mul before storing, a second multiplies by the down
+projection and the routing weight; the k choices of a token are then summed. The sizes depend
+only on the token count, never on the routing, so nothing waits for the host and a step is
+capturable whole. A pair routed to expert -1 (a padded token) goes to no block: it costs
+nothing and adds zero. Large batches take blocks of 16 pairs through tl.dot; decode batches,
+whose blocks hold one or a few real pairs, FMAs over blocks of one pair or tl.dot with K split
+over programs (`moe_config`), so the few active experts' weights stream at the copy rate.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ostinato.kernels.dispatch import jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import (
+    SPLIT_COUNTS,
+    interpreting,
+    jit,
+    num_sms,
+    pdl_options,
+    split_counts,
+    use_triton,
+)
 
-BLOCK_M = 16  # pairs per block: tl.dot's smallest tile
+DOT_BLOCK_M = 16  # pairs per block of the tl.dot path: its smallest tile
 
 
 def route(
@@ -96,11 +110,13 @@ def fused_moe(
     w2: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # int [T, K]; -1: this choice goes nowhere
     topk_weights: torch.Tensor,  # float32 [T, K]
+    configs: tuple[MoeConfig, MoeConfig] | None = None,  # gate|up's and down's launches
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]
-    -> [T, H] in x's dtype."""
+    -> [T, H] in x's dtype. On the GPU in moe_config's launches or those given (benchmarks
+    time others)."""
     if use_triton(x):
-        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights)
+        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs)
     return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
 
 
@@ -120,15 +136,21 @@ FUSED_ALIGN_PAIRS = 256  # up to here (decode batches) one Triton program sorts 
 FUSED_ALIGN_EXPERTS = 256
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+def num_blocks(pairs: int, experts: int, block_m: int) -> int:
+    """The blocks any routing of `pairs` pairs fills: each of the at most min(experts, pairs)
+    active experts pads its run by at most block_m - 1 slots."""
+    return (pairs + min(experts, pairs) * (block_m - 1)) // block_m
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int = DOT_BLOCK_M):
     """Pairs sorted by expert, each expert's run padded to whole blocks.
 
     Returns sorted_ids (int32 [blocks * block_m]: flat pair index t * K + k, or T * K in
     padding) and block_experts (int32 [blocks]: the expert of each block, -1 for blocks past
-    the last). `blocks` bounds every routing (each active expert wastes under one block), so
-    the shapes depend on T * K alone. Pairs of one expert keep their order."""
+    the last). `blocks` bounds every routing, so the shapes depend on T * K alone. Pairs of
+    one expert keep their order."""
     n = topk_ids.numel()
-    blocks = triton.cdiv(n, block_m) + min(num_experts, n)
+    blocks = num_blocks(n, num_experts, block_m)
     if use_triton(topk_ids) and n <= FUSED_ALIGN_PAIRS and num_experts <= FUSED_ALIGN_EXPERTS:
         return _align_triton(topk_ids, num_experts, block_m, blocks)
     return align_torch(topk_ids, num_experts, block_m, blocks)
@@ -204,17 +226,100 @@ def _align_triton(topk_ids, num_experts, block_m, blocks):
     return sorted_ids, block_experts
 
 
-@jit
+class MoeConfig(NamedTuple):
+    """A launch of _moe_gemm_kernel. The two GEMMs of a call share block_m (align's)."""
+
+    block_m: int  # pairs per block: 1 (FMAs) or DOT_BLOCK_M (tl.dot)
+    block_n: int  # output columns per program (of each of gate and up when gated)
+    block_k: int  # K columns per step
+    split: int  # programs along K; the last of a tile to finish sums their fp32 partials
+    num_warps: int
+    num_stages: int
+
+
+# The launch of each batch size (moe_config), provisional until set from bench_kernels.py's
+# moe and moe-sweep sections on the H100 (qwen3-30b-a3b's experts at 1, 8 and 32 tokens).
+FMA_PAIRS = 64  # up to here (8 tokens of top-8) blocks of one pair, by FMAs
+FMA_BLOCK_K = 256
+FMA_WARPS = 4
+FMA_THREAD_LOADS = 512  # weight bytes a thread's unrolled span loads at once: 128 registers
+MAX_SPAN = 4096  # FMAs: longer rows split over programs
+FMA_PROGRAMS = 512  # FMAs: enough programs to keep every SM's memory pipe busy
+SMALL_PAIRS = 256  # up to here (32 tokens) tl.dot with SMALL_DOT, K split to fill the GPU
+SMALL_DOT = MoeConfig(DOT_BLOCK_M, 64, 128, 1, 4, 4)
+LARGE_DOT = MoeConfig(DOT_BLOCK_M, 64, 64, 1, 4, 3)  # every batch's launch before issue 21
+
+
+@functools.cache
+def moe_config(
+    pairs: int, n: int, k: int, gated: bool, itemsize: int, experts: int, sms: int
+) -> MoeConfig:
+    """The launch of one grouped GEMM over `pairs` (token, choice) pairs of n output columns
+    (of each of gate and up when gated), K = k and weights of `itemsize` bytes, from shapes
+    alone (fixed under a graph, whatever the routing); block_m follows from pairs alone, so
+    both GEMMs of a call agree.
+
+    A decode batch's experts hold one or a few pairs each (top-8 of 128 experts: 1.2 pairs
+    an active expert at 8 tokens, 2.3 at 32), so tl.dot's 16-row tile is mostly padding, and
+    the old launch's grid (8 experts x 12 column tiles for gate|up at one token) left SMs
+    idle, each program's K loop serial. Up to FMA_PAIRS pairs: a block per pair, by FMAs as
+    fp8.py's one-row kernel (an expert's blocks are neighbours in the grid, so its second
+    pair's weights come from L2): few weight rows per program, about FMA_PROGRAMS programs,
+    each span unrolled so all its loads are in flight, as many rows as FMA_THREAD_LOADS a
+    thread holds (more spill registers). Up to SMALL_PAIRS: tl.dot, K split until there are
+    about two programs per SM (each split at least 4 steps long). Above: the old launch,
+    whose grid is large enough."""
+    rows = 2 if gated else 1
+    if pairs <= FMA_PAIRS:
+        block_k = min(FMA_BLOCK_K, max(16, triton.next_power_of_2(k)))
+        split = triton.cdiv(k, MAX_SPAN)
+        span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        fits = max(1, FMA_THREAD_LOADS * 32 * FMA_WARPS // (rows * span * itemsize))
+        wide = max(4, triton.next_power_of_2(pairs * n) // FMA_PROGRAMS)
+        block_n = min(16, 1 << (fits.bit_length() - 1), wide)
+        config = MoeConfig(1, block_n, block_k, split, FMA_WARPS, 1)
+    else:
+        base = SMALL_DOT if pairs <= SMALL_PAIRS else LARGE_DOT
+        block_n = min(base.block_n, max(16, triton.next_power_of_2(n)))
+        block_k = min(base.block_k, max(16, triton.next_power_of_2(k)))
+        split = 1
+        if pairs <= SMALL_PAIRS:  # about one block an active expert at these sizes
+            programs = min(experts, pairs) * triton.cdiv(n, block_n)
+            split = max(1, min(2 * sms // programs, k // (4 * block_k)))
+        config = base._replace(block_n=block_n, block_k=block_k, split=split)
+    tiles = num_blocks(pairs, experts, config.block_m) * triton.cdiv(n, config.block_n)
+    return config if tiles <= SPLIT_COUNTS else config._replace(split=1)
+
+
+def _span(k: int, config: MoeConfig) -> tuple[int, int]:
+    """(K columns per split, a multiple of block_k; the splits that takes)."""
+    span = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
+    return span, triton.cdiv(k, span)
+
+
+@jit(do_not_specialize=["num_pairs"])  # one compiled kernel serves every batch size
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ptr, experts_ptr, weights_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_ptr, experts_ptr, weights_ptr, part_ptr, sem_ptr,
     N, K, num_pairs, stride_am, stride_we, stride_wn, stride_om,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
+    SPLIT: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One block of pairs of one expert x BLOCK_N output columns: out[pair] = a[pair //
-    A_ROW_DIV] @ w[e].T over K; GATED: silu(gate) * up of rows n and N + n; WEIGHTED: times
-    the pair's routing weight. Blocks of no expert do nothing."""
+    """One block of pairs of one expert x BLOCK_N output columns x SPAN columns of K (split
+    program_id(2) of SPLIT): out[pair] = a[pair // A_ROW_DIV] @ w[e].T; GATED: silu(gate) *
+    up of rows n and N + n; WEIGHTED: times the pair's routing weight. Blocks of no expert do
+    nothing.
+
+    BLOCK_M >= 16: tl.dot in a pipelined K loop (F32_DOT: in float32, for float32 models and
+    the interpreter, whose bfloat16 dot is wrong). BLOCK_M == 1: FMAs, the pair's products
+    with each [BLOCK_N, BLOCK_K] weight tile added into a tile of terms, summed once after
+    the last chunk, the chunks unrolled so all their loads are in flight.
+
+    SPLIT > 1: each program stores its fp32 partials (gate and up) in part_ptr [SPLIT, pairs,
+    N or 2N] and counts itself in sem_ptr[tile]; the last of a tile's programs sums the
+    partials in split order (the same sum on every run), resets the count to 0 for the next
+    launch, and finishes the tile. No program waits for another (fp8.py's GEMV does the
+    same)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -222,49 +327,134 @@ def _moe_gemm_kernel(
     if e >= 0:
         pairs = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_ok = pairs < num_pairs
-        a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+        a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        w_cols = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < K
-            a = tl.load(
-                a_ptr + a_rows[:, None] * stride_am + kk[None, :],
-                mask=pair_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            w_ok = k_ok[:, None] & col_ok[None, :]
-            w = tl.load(w_cols + kk[:, None], mask=w_ok, other=0.0)
-            acc += tl.dot(a, w, input_precision=PRECISION)
+        w_cols = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wn
+        up_rows = N * stride_wn
+        k_lo = tl.program_id(2) * SPAN
+        k = tl.arange(0, BLOCK_K)
+        if BLOCK_M >= 16:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
+                kk = k0 + k
+                a = tl.load(a_rows + kk[None, :], mask=pair_ok[:, None] & (kk < K)[None, :],
+                            other=0.0)  # fmt: skip
+                w_ok = (kk < K)[:, None] & col_ok[None, :]
+                w = tl.load(w_cols[None, :] + kk[:, None], mask=w_ok, other=0.0)
+                acc = _dot(a, w, acc, F32_DOT)
+                if GATED:
+                    u = tl.load(w_cols[None, :] + up_rows + kk[:, None], mask=w_ok, other=0.0)
+                    up = _dot(a, u, up, F32_DOT)
+        else:  # BLOCK_M == 1: an expert's block holds one real pair (no padding)
+            pair = tl.load(sorted_ptr + tl.program_id(0))
+            a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+            # the pair's row is loaded as a whole [BLOCK_N, BLOCK_K] tile (repeats come from
+            # L1), in the weight tile's layout: a row would be moved into it through shared
+            # memory at every chunk, a barrier the next chunk's loads would wait behind
+            no_cols = tl.zeros([BLOCK_N], tl.int32)[:, None]
+            terms = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            up_terms = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for c in tl.static_range(SPAN // BLOCK_K):
+                kk = k_lo + c * BLOCK_K + k
+                a = tl.load(a_row + no_cols + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                a = a.to(tl.float32)
+                w_ok = col_ok[:, None] & (kk < K)[None, :]
+                w = tl.load(w_cols[:, None] + kk[None, :], mask=w_ok, other=0.0)
+                terms += a * w.to(tl.float32)
+                if GATED:
+                    u = tl.load(w_cols[:, None] + up_rows + kk[None, :], mask=w_ok, other=0.0)
+                    up_terms += a * u.to(tl.float32)
+            acc = tl.sum(terms, axis=1)[None, :]
+            up = tl.sum(up_terms, axis=1)[None, :]
+        ok = pair_ok[:, None] & col_ok[None, :]
+        if SPLIT > 1:
+            width = 2 * N if GATED else N
+            parts = part_ptr + pairs.to(tl.int64)[:, None] * width + cols[None, :]
+            split_stride = num_pairs.to(tl.int64) * width
+            mine = parts + tl.program_id(2) * split_stride
+            tl.store(mine, acc, mask=ok)
             if GATED:
-                u = tl.load(w_cols + N * stride_wn + kk[:, None], mask=w_ok, other=0.0)
-                up += tl.dot(a, u, input_precision=PRECISION)
+                tl.store(mine + N, up, mask=ok)
+            tl.debug_barrier()  # every thread's partial stored before the count releases them
+            sem = sem_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+            ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for split in tl.static_range(SPLIT):  # .cg: from L2, where the other SMs wrote
+                acc += tl.load(parts + split * split_stride, mask=ok, other=0.0,
+                               cache_modifier=".cg")  # fmt: skip
+                if GATED:
+                    up += tl.load(parts + split * split_stride + N, mask=ok, other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+            tl.store(sem, 0, mask=last)
         if GATED:
             acc = acc * tl.sigmoid(acc) * up
         if WEIGHTED:
             acc *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
         out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _gemm(a, w, out, sorted_ids, block_experts, weights, a_row_div, gated):
-    n_out, k = out.shape[1], a.shape[1]
-    block_n = min(64, max(16, triton.next_power_of_2(n_out)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
-    grid = (block_experts.shape[0], triton.cdiv(n_out, block_n))
+@jit
+def _dot(a, w, acc, F32_DOT: tl.constexpr):
+    if F32_DOT:
+        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+def moe_gemm(
+    a: torch.Tensor,  # [rows, K]: tokens (gate|up) or pairs (down)
+    w: torch.Tensor,  # [E, N or 2N, K]
+    out: torch.Tensor,  # [pairs, N]: the pairs of no block are left as they were
+    sorted_ids: torch.Tensor,
+    block_experts: torch.Tensor,  # align's, with config.block_m
+    weights: torch.Tensor | None,  # float32 [pairs]: times each pair's routing weight
+    a_row_div: int,  # pair p reads row p // a_row_div of a
+    gated: bool,
+    config: MoeConfig,
+) -> None:
+    """One grouped GEMM of fused_moe (Triton only), in the launch given."""
+    pairs, n = out.shape
+    k = a.shape[1]
+    span, split = _span(k, config)
+    blocks, tiles = block_experts.shape[0], triton.cdiv(n, config.block_n)
+    assert config.block_m == 1 or config.block_m >= DOT_BLOCK_M
+    assert sorted_ids.shape[0] == blocks * config.block_m
+    part = sem = out  # unused without a split
+    if split > 1:
+        assert blocks * tiles <= SPLIT_COUNTS, "a split launch counts each tile"
+        part = torch.empty(split, pairs, 2 * n if gated else n, dtype=torch.float32,
+                           device=out.device)  # fmt: skip
+        sem = split_counts(out.device, "MoE GEMM")
+    grid = (blocks, tiles, split)
     _moe_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_experts, weights,
-        n_out, k, out.shape[0], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a, w, out, sorted_ids, block_experts, out if weights is None else weights, part, sem,
+        n, k, pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **pdl_options(),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPAN=span,
+        SPLIT=split, F32_DOT=a.dtype == torch.float32 or interpreting(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )  # fmt: skip
 
 
-def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights):
+def moe_configs(
+    pairs: int, w13: torch.Tensor, w2: torch.Tensor, device: torch.device
+) -> tuple[MoeConfig, MoeConfig]:
+    """moe_config of the gate|up GEMM and of the down GEMM."""
+    experts, hidden, inter = w2.shape
+    sms, size = num_sms(device, 4), w13.element_size()
+    return (
+        moe_config(pairs, inter, hidden, True, size, experts, sms),
+        moe_config(pairs, hidden, inter, False, size, experts, sms),
+    )
+
+
+def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs=None):
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter, hidden = w2.shape[2], w2.shape[1]
@@ -274,8 +464,10 @@ def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights):
     if pairs == 0:
         return out.view(tokens, hidden)
     assert x.stride(1) == w13.stride(2) == w2.stride(2) == 1
-    sorted_ids, block_experts = align(topk_ids, w13.shape[0])
+    up_config, down_config = configs or moe_configs(pairs, w13, w2, x.device)
+    assert up_config.block_m == down_config.block_m
+    sorted_ids, block_experts = align(topk_ids, w13.shape[0], up_config.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _gemm(x, w13, h, sorted_ids, block_experts, None, top_k, gated=True)
-    _gemm(h, w2, out, sorted_ids, block_experts, weights, 1, gated=False)
+    moe_gemm(x, w13, h, sorted_ids, block_experts, None, top_k, True, up_config)
+    moe_gemm(h, w2, out, sorted_ids, block_experts, weights, 1, False, down_config)
     return out.view(tokens, top_k, hidden).sum(1)  # float32 accumulation, one kernel

@@ -7,9 +7,17 @@ import pytest
 import torch
 from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
-from test_moe_kernels import problem, reference
+from test_moe_kernels import crowded, problem, reference
 
-from ostinato.kernels.moe import align, align_torch, fused_moe, route, route_torch
+from ostinato.kernels.moe import (
+    MoeConfig,
+    align,
+    align_torch,
+    fused_moe,
+    num_blocks,
+    route,
+    route_torch,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -40,14 +48,47 @@ def test_route_kernel_equals_softmax_top_k(renormalize):
     torch.testing.assert_close(weights, want_w)
 
 
+@pytest.mark.parametrize("block_m", [1, 16])
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 128, 8), (32, 128, 8), (5, 8, 2)])
-def test_the_one_program_align_equals_the_torch_one(tokens, experts, top_k):
+def test_the_one_program_align_equals_the_torch_one(tokens, experts, top_k, block_m):
     ids = torch.rand(tokens, experts).topk(top_k, -1).indices.to(torch.int32).cuda()
     ids[-1, :] = -1
-    blocks = -(-ids.numel() // 16) + min(experts, ids.numel())
-    want = align_torch(ids, experts, 16, blocks)
-    got = align(ids, experts)
+    want = align_torch(ids, experts, block_m, num_blocks(ids.numel(), experts, block_m))
+    got = align(ids, experts, block_m)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+LAUNCHES = [
+    MoeConfig(1, 16, 256, 1, 4, 1),  # FMAs, the span unrolled
+    MoeConfig(1, 8, 128, 2, 4, 1),  # FMAs, K split
+    MoeConfig(1, 4, 64, 3, 4, 1),  # FMAs, K split in three (down: in two)
+    MoeConfig(16, 32, 64, 3, 4, 4),  # tl.dot, K split
+    MoeConfig(16, 64, 64, 1, 4, 3),  # the large-batch launch
+]
+
+
+@pytest.mark.parametrize("config", LAUNCHES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens, padded", [(1, 0), (7, 3), (40, 2)])
+def test_every_launch_equals_float64_math(config, dtype, tol, tokens, padded):
+    """Compiled: bfloat16 tl.dot, the FMA path and the split's atomic counts, which the
+    interpreter runs one program at a time; twice, for the same bits."""
+    x, w13, w2, ids, weights = problem(tokens, 16, 4, 256, 96, padded=padded)
+    x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
+    want = reference(x, w13, w2, ids, weights)
+    args = [t.cuda() for t in (x, w13, w2, ids, weights)]
+    got = fused_moe(*args, configs=(config, config))
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+    assert torch.equal(fused_moe(*args, configs=(config, config)), got)
+
+
+def test_crowded_routing_in_every_launch():
+    """One expert in every token's choices, one unused, a padded token."""
+    for config in LAUNCHES:
+        x, w13, w2, ids, weights = crowded(torch.float32)
+        got = fused_moe(*(t.cuda() for t in (x, w13, w2, ids, weights)), configs=(config, config))
+        torch.testing.assert_close(got.double().cpu(), reference(x, w13, w2, ids, weights),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 def test_every_mode_matches_eager_token_for_token(checkpoint):
