@@ -237,10 +237,13 @@ class MoeConfig(NamedTuple):
     num_stages: int
 
 
-# The launch of each batch size (moe_config), provisional until set from bench_kernels.py's
-# moe and moe-sweep sections on the H100 (qwen3-30b-a3b's experts at 1, 8 and 32 tokens).
+# The launch of each batch size (moe_config), from bench_kernels.py's moe and moe-sweep
+# sections on the H100 (qwen3-30b-a3b's experts at 1, 8 and 32 tokens; benchmarks/
+# h100-2026-11-25-s18.md): gate|up's FMAs at 8 x 512 took 19.2 / 110.5 µs at 1 / 8 tokens
+# against 20.6 / 125.6 at 8 x 256; down's best was 16 x 256 at both (10.3 / 56.2 µs).
 FMA_PAIRS = 64  # up to here (8 tokens of top-8) blocks of one pair, by FMAs
 FMA_BLOCK_K = 256
+FMA_BLOCK_K_GATED = 512
 FMA_WARPS = 4
 FMA_THREAD_LOADS = 512  # weight bytes a thread's unrolled span loads at once: 128 registers
 MAX_SPAN = 4096  # FMAs: longer rows split over programs
@@ -271,7 +274,8 @@ def moe_config(
     whose grid is large enough."""
     rows = 2 if gated else 1
     if pairs <= FMA_PAIRS:
-        block_k = min(FMA_BLOCK_K, max(16, triton.next_power_of_2(k)))
+        widest = FMA_BLOCK_K_GATED if gated else FMA_BLOCK_K
+        block_k = min(widest, max(16, triton.next_power_of_2(k)))
         split = triton.cdiv(k, MAX_SPAN)
         span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
         fits = max(1, FMA_THREAD_LOADS * 32 * FMA_WARPS // (rows * span * itemsize))
