@@ -32,7 +32,13 @@ def decode(ids: list[int]) -> str:
 
 
 def encode(text: str) -> list[int]:
-    return [ord(c) for c in text]
+    """A word of WORDS is one token, as a real tokenizer merges it; any other character is one."""
+    ids, at = [], 0
+    while at < len(text):
+        word = next((i for i, w in WORDS.items() if w and text.startswith(w, at)), None)
+        ids.append(ord(text[at]) if word is None else word)
+        at += 1 if word is None else len(WORDS[word])
+    return ids
 
 
 class FakeTokenizer:
@@ -280,6 +286,8 @@ def test_max_tokens_left_out_fills_what_the_context_has_left():
     assert [p.max_tokens for p in engine.params] == [6, 1]
     complete(client, prompt=[5, 6, 7], max_tokens=None)
     assert engine.params[0].max_tokens == 7
+    complete(client, prompt="Hello big", max_tokens=None)  # two tokens, nine characters
+    assert engine.params[0].max_tokens == 8
     complete(client, prompt="abcdefghi", max_tokens=None)  # one token of room left
     assert engine.params[0].max_tokens == 1
     complete(client, prompt="abcd", max_tokens=3)
@@ -339,9 +347,9 @@ LOGPROBS = [{1000: -0.5, 1001: -1.5}, {1001: -0.25, 1002: -0.125}, {1002: -2.0, 
 
 
 def prompt_logprobs(prompt: list[int]) -> list:
-    """The first prompt token has none; each other token scores -3, the next id -0.75 (for "Hi",
-    [72, 105]: [None, {105: -3.0, 106: -0.75}])."""
-    return [None] + [{t: -3.0, t + 1: -0.75} for t in prompt[1:]]
+    """The first prompt token has none; each other token scores -3, the next id -0.75 and the
+    one after -5 (for "Hi", [72, 105]: [None, {105: -3.0, 106: -0.75, 107: -5.0}])."""
+    return [None] + [{t: -3.0, t + 1: -0.75, t + 2: -5.0} for t in prompt[1:]]
 
 
 def scored(prompt, params, j):
@@ -449,7 +457,7 @@ def test_logprobs_asked_for_but_not_given_are_null():
 
 
 def prompt_scores(text: str) -> list:
-    """vLLM's prompt_logprobs of `scored`'s prompt at top 1: the next id, then the token's own."""
+    """vLLM's prompt_logprobs of `scored`'s prompt at top 1: the next id and the token's own."""
     return [None] + [
         {
             str(ord(c) + 1): {"logprob": -0.75, "decoded_token": chr(ord(c) + 1)},
@@ -549,6 +557,7 @@ def test_include_usage_adds_a_last_chunk_with_the_counts():
         chunks = events(serve(engine), path, model="m", n=2, stream_options=usage, **fields)
         last = chunks[-2]
         assert last["choices"] == [] and last["model"] == "m"
+        assert last["object"] == chunks[0]["object"]  # a chat stream's chunks are all .chunk
         assert last["usage"] == {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": 3,
@@ -588,6 +597,16 @@ def test_a_held_back_step_with_logprobs_sends_them_with_no_text():
         ("", ["E"], [2]),
         ("", ["N"], [3]),
         ("ENx", ["x"], [4]),  # where the non-streamed logprobs put it
+    ]
+
+
+def test_a_reply_that_ends_in_a_stop_prefix_sends_it_at_the_end():
+    engine = FakeEngine()
+    engine.reply = lambda prompt, params, j: steps(prompt, encode("aE"), "length")
+    chunks = events(serve(engine), "/v1/completions", model="m", prompt="Hi", stop="END")
+    assert [(only_choice(c)["text"], only_choice(c)["finish_reason"]) for c in chunks[:-1]] == [
+        ("a", None),
+        ("E", "length"),
     ]
 
 
@@ -822,6 +841,10 @@ def test_http_errors_come_in_openai_shape():
     assert r.headers["allow"] == "POST"
 
 
+def test_the_api_is_titled_ostinato():
+    assert serve(FakeEngine()).get("/openapi.json").json()["info"]["title"] == "ostinato"
+
+
 @pytest.mark.parametrize(
     ("raised", "message", "param"),
     [
@@ -829,8 +852,8 @@ def test_http_errors_come_in_openai_shape():
         (ValueError("the prompt is too long"), "the prompt is too long", "prompt"),
         (ValueError("too long"), "prompt: too long", "prompt"),
         (
-            ValueError("structured_outputs: bad grammar"),
-            "structured_outputs: bad grammar",
+            ValueError("structured_outputs.regex: unbalanced parenthesis"),
+            "structured_outputs.regex: unbalanced parenthesis",
             "structured_outputs",
         ),
     ],
@@ -840,6 +863,25 @@ def test_a_value_error_of_the_engine_is_a_400_naming_the_field(raised, message, 
     engine.add_error = raised
     body = {"structured_outputs": {"regex": "a"}} if param == "structured_outputs" else {}
     assert complete(serve(engine), 400, prompt="Hi", **body) == error(message, param)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message", "param"),
+    [
+        ({"stop": ["END", ""]}, "stop strings must not be empty", "stop"),
+        (
+            {"seed": 2**64 - 1, "n": 2},  # the second choice's seed is one more
+            "seed must fit in 64 bits, got 18446744073709551616",
+            "seed",
+        ),
+    ],
+)
+def test_sampling_parameters_that_do_not_hold_are_a_400_naming_the_field(fields, message, param):
+    engine = FakeEngine()
+    client = serve(engine)
+    assert complete(client, 400, prompt="Hi", **fields) == error(message, param)
+    assert chat(client, 400, **fields) == error(message, param)
+    assert engine.calls == []
 
 
 def test_a_chat_value_error_names_messages():
@@ -856,20 +898,26 @@ def test_a_chat_value_error_names_messages():
     [
         (
             {"response_format": SCHEMA_FORMAT},
-            "response_format.json_schema.schema: bad grammar",
+            "response_format.json_schema.schema: not valid JSON: Expecting value",
             "response_format",
         ),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tools: bad grammar", "tools"),
         (
-            {"structured_outputs": {"regex": "a"}},
-            "structured_outputs: bad grammar",
+            {"tools": TOOLS, "tool_choice": "required"},
+            "tools: not valid JSON: Expecting value",
+            "tools",
+        ),
+        (
+            {"structured_outputs": {"json": "{"}},
+            "structured_outputs.json: not valid JSON: Expecting value",
             "structured_outputs",
         ),
     ],
 )
 def test_a_grammar_error_names_the_field_the_grammar_came_from(fields, message, param):
+    """The engine's message names structured_outputs.<kind>, whatever field the grammar came
+    from; the rest of the message (colons and all) is kept."""
     engine = FakeEngine()
-    engine.add_error = ValueError("structured_outputs: bad grammar")
+    engine.add_error = ValueError("structured_outputs.json: not valid JSON: Expecting value")
     body = chat(serve(engine, tool_call_parser="hermes"), 400, **fields)
     assert body == error(message, param)
 
@@ -933,8 +981,11 @@ def test_a_failure_mid_stream_is_an_error_event_and_aborts_the_rest():
 # -- disconnects ----------------------------------------------------------------------------
 
 
-async def asgi_post(app, path: str, body: dict, gone: asyncio.Event, spec: str = "2.0", send=None):
-    """Drive the app as a server would; `gone` set: the client has disconnected."""
+async def asgi_post(
+    app, path: str, body: dict, gone: asyncio.Event, spec: str = "2.0", send=None, stray=()
+):
+    """Drive the app as a server would; `gone` set: the client has disconnected. `stray`:
+    messages received after the body, before the disconnect."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": spec},
@@ -950,10 +1001,11 @@ async def asgi_post(app, path: str, body: dict, gone: asyncio.Event, spec: str =
         "server": ("test", 80),
     }
     pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    pending += stray
 
     async def receive():
         if pending:
-            return pending.pop()
+            return pending.pop(0)
         await gone.wait()
         return {"type": "http.disconnect"}
 
@@ -986,6 +1038,19 @@ def test_a_client_gone_before_the_answer_aborts_its_requests():
         call_id = engine.calls[0][1][0].removesuffix("-0")
         assert sorted(engine.aborted) == [f"{call_id}-0", f"{call_id}-1"]
         assert json.loads(end["body"]) == error("client closed the request", None, "client_closed")
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_only_a_disconnect_message_means_the_client_has_gone():
+    async def main():
+        engine = FakeEngine()
+        app = build_app(engine, ["m"])
+        stray = [{"type": "http.request", "body": b"", "more_body": False}]
+        body = {"model": "m", "prompt": "Hi"}
+        start, end = await asgi_post(app, "/v1/completions", body, asyncio.Event(), stray=stray)
+        assert start["status"] == 200 and json.loads(end["body"])["choices"][0]["text"] == "ok"
+        assert engine.aborted == []
 
     asyncio.run(asyncio.wait_for(main(), 10))
 
