@@ -28,7 +28,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "rejection": ("ostinato/speculative/rejection.py", ["tests/test_rejection.py"]),
     "ngram": ("ostinato/speculative/ngram.py", ["tests/test_ngram.py"]),
     "protocol": ("ostinato/server/protocol.py", ["tests/test_protocol.py"]),
-    "app": ("ostinato/server/app.py", ["tests/test_server_fields.py"]),
+    "app": ("ostinato/server/app.py", ["tests/test_app_routes.py"]),
     "engine_stop": ("ostinato/engine/engine.py", ["tests/test_engine.py"]),
     "plan": ("ostinato/graphs/plan.py", ["tests/test_graph_plan.py"]),
     "dispatcher": ("ostinato/graphs/dispatcher.py", ["tests/test_dispatcher.py"]),

@@ -62,7 +62,7 @@ def test_an_error_body_has_openai_s_shape():
 
 @pytest.mark.parametrize(
     "field",
-    ["temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "logprobs",
+    ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "logprobs",
      "prompt_logprobs", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
      "repetition_penalty", "logit_bias", "structured_outputs"],
 )  # fmt: skip

@@ -68,6 +68,8 @@ class _Call:
     def __post_init__(self) -> None:
         self.index = {rid: i for i, rid in enumerate(self.request_ids)}
         self._started: set[int] = set()  # choices that sent their first chunk
+        # per choice: characters of the tokens whose logprobs were sent, where the next start
+        self._token_chars = [0] * len(self.request_ids)
 
     def choice(
         self,
@@ -81,7 +83,8 @@ class _Call:
     ) -> dict[str, Any]:
         """Choice i: `text` starts at text_offset of out.text; out's tokens from `start` on
         are new. (A stream may hold back text that could begin a stop string, so the offset
-        is where the client's text ends, not len(out.text) - len(text).)"""
+        is where the client's text ends, not len(out.text) - len(text); the new tokens'
+        logprobs count from the characters of the tokens before them, as a whole reply's do.)"""
         first = i not in self._started
         self._started.add(i)
         echo = self.echo[i // self.n] if self.echo is not None else ""
@@ -93,7 +96,7 @@ class _Call:
             calls = self._tool_calls(out.text, text_offset, delta)
             if calls is not None:
                 body, finish = calls, "tool_calls" if finish == "stop" else finish
-        logprobs = self._logprobs(out, start, len(echo) + text_offset)
+        logprobs = self._logprobs(i, out, start, len(echo))
         if first and echo and logprobs is not None:  # the prompt's tokens come first
             ids, lps = out.prompt_token_ids, out.prompt_logprobs
             echoed = protocol.completion_logprobs(self.decode, ids, lps, self.num_logprobs, 0)
@@ -122,13 +125,18 @@ class _Call:
         message = _message(content.strip() or None) | {"tool_calls": [c.openai() for c in calls]}
         return {"message": message}
 
-    def _logprobs(self, out: RequestOutput, start: int, offset: int) -> dict | None:
+    def _logprobs(self, i: int, out: RequestOutput, start: int, echoed: int) -> dict | None:
+        """Choice i's logprobs of out's tokens from `start` on; `echoed`: characters of the
+        prompt before the reply."""
         if self.num_logprobs is None or out.logprobs is None:
             return None
         ids, lps = out.token_ids[start:], out.logprobs[start:]
         if self.chat:
             return protocol.chat_logprobs(self.decode, ids, lps, self.num_logprobs)
-        return protocol.completion_logprobs(self.decode, ids, lps, self.num_logprobs, offset)
+        offset = echoed + self._token_chars[i]
+        logprobs = protocol.completion_logprobs(self.decode, ids, lps, self.num_logprobs, offset)
+        self._token_chars[i] += sum(len(token) for token in logprobs["tokens"])
+        return logprobs
 
     def envelope(self, choices: list[dict], delta: bool, usage: dict | None = None) -> dict:
         kind = "chat.completion" if self.chat else "text_completion"

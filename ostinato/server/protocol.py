@@ -15,9 +15,9 @@ from ostinato.sampling_params import SamplingParams, StructuredOutputsParams
 # name (longest first: "stop_token_ids ..." names stop_token_ids, not stop).
 SAMPLING_FIELDS = tuple(
     sorted(
-        ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "logprobs",
-         "prompt_logprobs", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-         "repetition_penalty", "logit_bias", "structured_outputs"),
+        ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+         "logprobs", "prompt_logprobs", "stop", "stop_token_ids", "presence_penalty",
+         "frequency_penalty", "repetition_penalty", "logit_bias", "structured_outputs"),
         key=len,
         reverse=True,
     )
