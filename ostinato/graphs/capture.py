@@ -20,7 +20,6 @@ from ostinato.graphs.breakable import BreakableGraph
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.modes import RUNTIME_MODES, BatchDescriptor, CudaGraphMode
-from ostinato.graphs.plan import CapturePlan
 from ostinato.kernels import variants
 
 logger = logging.getLogger("ostinato")
@@ -98,10 +97,9 @@ class GraphRunner:
     def __init__(self, config: EngineConfig, agree: Agree | None = None) -> None:
         self.config = config
         self.agree: Agree = agree or (lambda outcome: outcome)
-        plan = CapturePlan.from_config(config)
-        self.resolution = resolve(config, plan)
+        self.resolution = resolve(config)
         self.resolution.log()
-        self.dispatcher = Dispatcher(self.resolution.resolved, plan)
+        self.dispatcher = Dispatcher(self.resolution.resolved, self.resolution.plan)
         self.lazy = config.cuda_graph_capture == "lazy"
         self.graphs: dict[CudaGraphMode, dict[BatchDescriptor, BreakableGraph]] = {
             CudaGraphMode.FULL: {},
