@@ -269,3 +269,12 @@ def test_mode_full_captures_a_key_that_is_both_prefill_and_token_key_once():
     assert d.dispatch(500, 3, None) == (FULL, prefill(512, 4))
     assert d.dispatch(500, 1, None) == (FULL, prefill(512, 1))
     assert d.dispatch(20, 3, None) == (FULL, BatchDescriptor(32, 4, None))  # a token key
+
+
+def test_which_keys_count_as_full_prefill_replays():
+    d = default_dispatcher(M.FULL).without([prefill(640, 1)])
+    assert d.is_full_prefill(prefill(512, 1)) and d.is_full_prefill(prefill(2048, 4))
+    others = [BatchDescriptor(512, 256, None), BatchDescriptor(4, 4, None), prefill(500, 1)]
+    others += [prefill(640, 1), prefill(512, 2), PW(512), BatchDescriptor(512, 1, None, 1)]
+    assert not any(d.is_full_prefill(k) for k in others)
+    assert not default_dispatcher(M.PIECEWISE).is_full_prefill(prefill(512, 1))

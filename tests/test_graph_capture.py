@@ -337,6 +337,9 @@ def test_full_prefill_keys_are_captured_whole_eagerly_and_lazily(rec, kernels):
     rec.events.clear()
     runner.run(*step, 100, lambda: pytest.fail("a captured key replays"))
     assert rec.events == [("replay", rec.events[0][1])]  # one graph, no eager attention
+    assert runner.report()["full_prefill_steps"] == 1
+    runner.run(*runner.dispatch(3, 3, 1), 3, lambda: pytest.fail("a captured key replays"))
+    assert runner.report()["full_prefill_steps"] == 1  # a decode step is not one
 
     def eager():  # the step's own forward: the kernel variant of the padded size
         double(torch.ones(128))
@@ -353,4 +356,5 @@ def test_full_prefill_keys_are_captured_whole_eagerly_and_lazily(rec, kernels):
     assert [e[0] for e in rec.events] == ["replay"]
     report = lazy.report()
     assert report["steps"] == {"none": 1, "piecewise": 0, "full": 1}
+    assert report["full_prefill_steps"] == 1  # the eager first use is no replay
     assert report["captured"]["full"] == [asdict(BatchDescriptor(128, 4, None))]

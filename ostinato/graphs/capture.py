@@ -112,6 +112,7 @@ class GraphRunner:
         self.num_warmups = 0
         self.steps: Counter[CudaGraphMode] = Counter()
         self.full_decode_steps: Counter[int] = Counter()  # FULL decode replays per query length
+        self.full_prefill_steps = 0  # replays of FULL prefill keys
         self.replays_by_loras: Counter[int] = Counter()  # graph replays per active-adapter count
         self.padded_tokens = 0
         self._forward_fn: ForwardFn | None = None
@@ -167,6 +168,8 @@ class GraphRunner:
         self.steps[mode] += 1
         if desc.uniform_query_len is not None:
             self.full_decode_steps[desc.uniform_query_len] += 1
+        elif self.dispatcher.is_full_prefill(desc):
+            self.full_prefill_steps += 1
         if self._buffers is not None:
             self._check_addresses()
         self.replays_by_loras[desc.num_active_loras] += 1
@@ -369,6 +372,7 @@ class GraphRunner:
             "warmups": self.num_warmups,
             "steps": {m.value: self.steps[m] for m in RUNTIME_MODES},
             "full_decode_steps": {str(q): n for q, n in sorted(self.full_decode_steps.items())},
+            "full_prefill_steps": self.full_prefill_steps,
             "padded_tokens": self.padded_tokens,
             "replays_by_active_loras": {
                 str(k): n for k, n in sorted(self.replays_by_loras.items())

@@ -96,6 +96,11 @@ class Dispatcher:
                 return self._token_mode, self._token_keys[loras][padded]
         return NONE, BatchDescriptor(num_tokens, num_reqs, uniform_query_len, num_active_loras)
 
+    def is_full_prefill(self, desc: BatchDescriptor) -> bool:
+        """Whether desc is a FULL prefill key (of few requests, keyed by tokens and requests)."""
+        keys = self._prefill_keys.get((desc.num_reqs, desc.num_active_loras))
+        return keys is not None and keys.get(desc.num_tokens) == desc
+
     def descriptors(self) -> dict[CudaGraphMode, list[BatchDescriptor]]:
         """Every key dispatch() can return, per runtime mode, in ascending size per q and
         adapter count."""
