@@ -16,10 +16,10 @@ class Dispatcher:
     - Uniform decode (every request has query length q, q one of plan.decode_query_lens) with
       a separate decode routine: FULL key (num_reqs padded, num_tokens = num_reqs * q) when
       captured.
-    - A step of at most plan.prefill_reqs[-1] requests whose padded num_tokens is a FULL
-      prefill size, in modes full and full_and_piecewise: FULL key (num_tokens and num_reqs
-      padded, uniform_query_len None). Padded requests have zero lengths and padded tokens
-      belong to no request, so the graph computes the real ones only.
+    - Otherwise, a step of at most plan.prefill_reqs[-1] requests whose padded num_tokens is
+      a FULL prefill size, in modes full and full_and_piecewise: FULL key (num_tokens and
+      num_reqs padded, uniform_query_len None). Padded requests have zero lengths and padded
+      tokens belong to no request, so the graph computes the real ones only.
     - Otherwise the mixed mode by padded num_tokens: PIECEWISE key (num_tokens only), or in
       mode full a FULL key whose num_reqs is min(num_tokens, max_num_seqs): padded requests
       have zero lengths, so one graph serves any batch of up to that many tokens.
