@@ -54,6 +54,10 @@ class EngineConfig:
     enforce_eager: bool = False
     max_capture_size: int | None = None  # largest token graph; None: max_num_batched_tokens
     capture_sizes: list[int] | None = None
+    # FULL graphs keyed by (tokens, requests) for steps of few requests (one long prompt):
+    # token sizes in [min, max], at most max_capture_size; max 0 turns them off
+    full_prefill_min_tokens: int = 64
+    full_prefill_max_tokens: int = 2048
     check_graphs: int = 0
     debug_graph_addresses: bool = False
     max_waiting_requests: int = 1024
@@ -109,6 +113,18 @@ class EngineConfig:
             raise ValueError(f"max_capture_size must be at least 1, got {self.max_capture_size}")
         if self.capture_sizes is not None and any(s < 1 for s in self.capture_sizes):
             raise ValueError(f"capture_sizes must be positive, got {self.capture_sizes}")
+        if self.full_prefill_min_tokens < 1 or self.full_prefill_max_tokens < 0:
+            raise ValueError(
+                f"full_prefill_min_tokens must be at least 1 and full_prefill_max_tokens at "
+                f"least 0 (0: no FULL prefill graphs), got {self.full_prefill_min_tokens} and "
+                f"{self.full_prefill_max_tokens}"
+            )
+        if 0 < self.full_prefill_max_tokens < self.full_prefill_min_tokens:
+            raise ValueError(
+                f"full_prefill_max_tokens={self.full_prefill_max_tokens} is below "
+                f"full_prefill_min_tokens={self.full_prefill_min_tokens}: raise it, or set it "
+                "to 0 to turn FULL prefill graphs off"
+            )
         if self.check_graphs < 0:
             raise ValueError(f"check_graphs must be >= 0, got {self.check_graphs}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -24,6 +24,8 @@ ENGINE_FLAGS: list[tuple[str, type, str]] = [
     ("--cuda-graph-mode", str, f"one of {CUDA_GRAPH_MODES}"),
     ("--cuda-graph-capture", str, f"one of {CUDA_GRAPH_CAPTURES}: at start-up, or on first use"),
     ("--max-capture-size", int, "largest token-keyed graph; None: max-num-batched-tokens"),
+    ("--full-prefill-min-tokens", int, "smallest step (tokens) of a FULL prefill graph"),
+    ("--full-prefill-max-tokens", int, "largest FULL prefill graph in tokens (0: none)"),
     ("--check-graphs", int, "re-run every N-th graphed step eagerly and compare (0: off)"),
     ("--pipeline-parallel-size", int, "pipeline stages, one process (GPU) each"),
     ("--tensor-parallel-size", int, "processes (GPUs) splitting each stage's layers"),

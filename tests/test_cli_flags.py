@@ -150,6 +150,14 @@ def test_distributed_timeout_reaches_the_config(spy):
         ),  # fmt: skip
         (["--check-graphs", "3"], lambda r: r["config"]["check_graphs"] == 3),
         (["--distributed-timeout", "9"], lambda r: r["config"]["distributed_timeout"] == 9.0),
+        (
+            ["--full-prefill-max-tokens", "0"],
+            lambda r: r["capture_sizes"]["full_prefill"]["num_tokens"] == [],
+        ),
+        (
+            ["--full-prefill-min-tokens", "256", "--full-prefill-max-tokens", "1024"],
+            lambda r: r["capture_sizes"]["full_prefill"]["num_tokens"][::12] == [256, 1024],
+        ),
     ],
 )
 def test_graph_flags_through_explain(capsys, flags, check):

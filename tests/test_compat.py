@@ -10,6 +10,9 @@ from ostinato.attention.triton_backend import TritonAttentionBackend
 from ostinato.config import CUDA_GRAPH_MODES, EngineConfig
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.compat import RULES, resolve
+from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+
+PIECEWISE, FULL = CudaGraphMode.PIECEWISE, CudaGraphMode.FULL
 
 # What each backend can keep of each mode on a CUDA device, written out by hand.
 EXPECTED = {
@@ -151,6 +154,7 @@ def test_every_rule_fires_somewhere(decode_only_backend, single_token_backend):
     configs += [config("full", decode_only_backend), config("full_and_piecewise", **NO_SIZES)]
     configs += [config("full_and_piecewise", single_token_backend, **SPEC)]
     configs += [config("piecewise", enable_lora=True), config("piecewise", max_capture_size=64)]
+    configs += [config("full_and_piecewise", enable_lora=True)]
     fired = {d.rule for c in configs for d in resolve(c).decisions}
     assert fired == {rule.name for rule in RULES}
 
@@ -209,3 +213,45 @@ def test_reasons_name_the_backend_and_both_modes_and_are_logged(caplog):
 def test_the_cpu_reason_names_the_device():
     (decision,) = resolve(EngineConfig(device="cpu")).decisions
     assert decision.reason == "CUDA graphs need a CUDA device (device=cpu): every step runs eagerly"
+
+
+# ---- FULL prefill graphs: the rules that leave them out ----------------------------------
+
+
+def test_full_prefill_graphs_are_kept_by_default_and_with_speculation_or_stages():
+    for kw in ({}, SPEC, {"pipeline_parallel_size": 2}, {"tensor_parallel_size": 2}):
+        for mode in ("full", "full_and_piecewise"):
+            res = resolve(config(mode, **kw))
+            assert res.plan.prefill_token_sizes[-1] == 2048 and res.plan.prefill_reqs == (1, 4)
+            assert not [d for d in res.decisions if "prefill" in d.rule], (mode, kw)
+
+
+def test_a_decode_only_backend_leaves_out_full_prefill_graphs(decode_only_backend):
+    for mode in ("full", "full_and_piecewise"):
+        res = resolve(config(mode, decode_only_backend))
+        assert res.resolved.value == "full_and_piecewise"
+        (rule,) = [d for d in res.decisions if "prefill" in d.rule]
+        assert rule.rule == "full_prefill_needs_capturable_attention"
+        assert "'decode_only'" in rule.reason and "piecewise graphs" in rule.reason
+        assert res.plan.prefill_token_sizes == res.plan.prefill_reqs == ()
+        assert res.plan.decode_sizes  # the decode graphs stay
+
+
+def test_lora_leaves_out_full_prefill_graphs_and_says_how_many():
+    res = resolve(config("full_and_piecewise", enable_lora=True, max_loras=4))
+    rule = next(d for d in res.decisions if d.rule == "full_prefill_off_with_lora")
+    assert "(0, 1, 2, 4)" in rule.reason and "232 graphs" in rule.reason  # 29 x 2 x 4
+    assert res.plan.prefill_token_sizes == ()
+    runner = GraphRunner(config("full_and_piecewise", enable_lora=True, max_loras=4))
+    assert runner.dispatch(500, 1, None) == (PIECEWISE, BatchDescriptor.piecewise(512))
+    # only where there are FULL prefill graphs to leave out
+    for kw in ({"cuda_graph_mode": "piecewise"}, {"full_prefill_max_tokens": 0}):
+        quiet = EngineConfig(device="cuda", enable_lora=True, **kw)
+        assert "full_prefill_off_with_lora" not in {d.rule for d in resolve(quiet).decisions}
+
+
+def test_the_runner_dispatches_with_the_plan_the_rules_left(decode_only_backend):
+    runner = GraphRunner(config("full_and_piecewise", decode_only_backend))
+    assert runner.dispatch(500, 1, None) == (PIECEWISE, BatchDescriptor.piecewise(512))
+    runner = GraphRunner(config("full_and_piecewise"))
+    assert runner.dispatch(500, 1, None) == (FULL, BatchDescriptor(512, 1, None))

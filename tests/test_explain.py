@@ -50,7 +50,12 @@ def test_torch_backend_downgrade_is_explained(no_cuda_calls):
 def test_cpu_has_no_sizes():
     out = explain(EngineConfig(device="cpu", cuda_graph_mode="full"))
     assert out["cuda_graph_mode"] == "none"
-    assert out["capture_sizes"] == {"full": [], "piecewise": [], "full_tokens": []}
+    assert out["capture_sizes"] == {
+        "full": [],
+        "piecewise": [],
+        "full_prefill": {"num_tokens": [], "num_reqs": []},
+        "full_tokens": [],
+    }
     assert "CUDA graphs need a CUDA device" in out["decisions"][0]["reason"]
 
 
@@ -79,8 +84,13 @@ def test_lazy_capture_is_shown_on_the_command_line(capsys):
 
 
 def test_speculation_captures_verify_graphs_up_to_max_num_seqs_times_q(no_cuda_calls):
+    no_prefill = {"full_prefill_max_tokens": 0}  # FULL prefill graphs reach 2048 tokens
     cfg = EngineConfig(
-        device="cuda", max_num_seqs=64, speculative_method="ngram", num_speculative_tokens=4
+        device="cuda",
+        max_num_seqs=64,
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        **no_prefill,
     )
     sizes = explain(cfg)["capture_sizes"]
     assert sizes["full"][-1] == 64 and sizes["piecewise"][-1] == 8192
@@ -88,7 +98,9 @@ def test_speculation_captures_verify_graphs_up_to_max_num_seqs_times_q(no_cuda_c
     assert max(sizes["full_tokens"]) == 64 * 5
     assert {1, 2, 64, 5, 10, 320} <= set(sizes["full_tokens"])
     assert (
-        explain(EngineConfig(device="cuda", max_num_seqs=64))["capture_sizes"]["full_tokens"][-1]
+        explain(EngineConfig(device="cuda", max_num_seqs=64, **no_prefill))["capture_sizes"][
+            "full_tokens"
+        ][-1]
         == 64
     )
 
@@ -127,3 +139,18 @@ def test_explain_shows_fp8_weights_at_one_byte_plus_their_scales(no_cuda_calls):
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096)  # one float32 scale per row
     assert bf16["weight_bytes"] - fp8["weight_bytes"] == linear * 2 - (linear + rows * 4)
     assert fp8["decode_step_weight_bytes"]["batch_1"] == fp8["weight_bytes"]
+
+
+def test_full_prefill_sizes_are_shown_apart_and_follow_the_cap(no_cuda_calls):
+    sizes = explain(EngineConfig(device="cuda"))["capture_sizes"]
+    assert sizes["full_prefill"]["num_reqs"] == [1, 4]
+    tokens = sizes["full_prefill"]["num_tokens"]
+    assert (tokens[0], tokens[-1], len(tokens)) == (64, 2048, 29)
+    assert sizes["full"][-1] == 256  # the decode list is its own
+    capped = explain(EngineConfig(device="cuda", max_capture_size=300))["capture_sizes"]
+    assert capped["full_prefill"]["num_tokens"][-2:] == [288, 300]
+    for off in ({"cuda_graph_mode": "piecewise"}, {"enable_lora": True}):
+        out = explain(EngineConfig(device="cuda", **off))
+        assert out["capture_sizes"]["full_prefill"] == {"num_tokens": [], "num_reqs": []}
+    lora = explain(EngineConfig(device="cuda", enable_lora=True))
+    assert "full_prefill_off_with_lora" in [d["rule"] for d in lora["decisions"]]

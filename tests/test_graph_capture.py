@@ -7,6 +7,7 @@ captures, and what the runner does when a size runs out of memory. tests/gpu che
 
 import contextlib
 import itertools
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -320,3 +321,40 @@ def test_graph_memory_counts_the_captures_and_warm_up_memory_apart(rec, kernels,
     # every capture attempt's segments count (a cold one stops in its first segment)
     assert report["graph_memory_bytes"] == segments * 8 * 2**20
     assert report["warmup_memory_bytes"] == report["warmups"] * 100 * 2**20 > 0
+
+
+def test_full_prefill_keys_are_captured_whole_eagerly_and_lazily(rec, kernels):
+    """FULL prefill keys are captured without breaks (attention inside the one graph), at
+    start-up or on first use, and counted in the report."""
+    sizes = {"capture_sizes": [1, 4, 64, 128], "max_num_seqs": 4, "max_num_batched_tokens": 128}
+    runner = GraphRunner(EngineConfig(device="cuda", **sizes))
+    runner.capture(lazy_forward(rec, []), prepare=lambda desc: None)
+    full = runner.report()["captured"]["full"]
+    keys = {(d["num_tokens"], d["num_reqs"]) for d in full if d["uniform_query_len"] is None}
+    assert keys == {(64, 1), (64, 4), (128, 1), (128, 4)}
+    step = runner.dispatch(100, 1, None)
+    assert step == (CudaGraphMode.FULL, BatchDescriptor(128, 1, None))
+    rec.events.clear()
+    runner.run(*step, 100, lambda: pytest.fail("a captured key replays"))
+    assert rec.events == [("replay", rec.events[0][1])]  # one graph, no eager attention
+    assert runner.report()["full_prefill_steps"] == 1
+    runner.run(*runner.dispatch(3, 3, 1), 3, lambda: pytest.fail("a captured key replays"))
+    assert runner.report()["full_prefill_steps"] == 1  # a decode step is not one
+
+    def eager():  # the step's own forward: the kernel variant of the padded size
+        double(torch.ones(128))
+        return "eager"
+
+    variants._launched.clear()  # a cold start: the first use is the warm-up
+    lazy = GraphRunner(EngineConfig(device="cuda", cuda_graph_capture="lazy", **sizes))
+    lazy.capture(lazy_forward(rec, []), prepare=lambda desc: pytest.fail("no dummy batch"))
+    step = lazy.dispatch(100, 3, None)
+    assert step == (CudaGraphMode.FULL, BatchDescriptor(128, 4, None))
+    assert lazy.run(*step, 100, eager) == "eager"
+    rec.events.clear()
+    lazy.run(*step, 100, lambda: pytest.fail("captured on first use"))
+    assert [e[0] for e in rec.events] == ["replay"]
+    report = lazy.report()
+    assert report["steps"] == {"none": 1, "piecewise": 0, "full": 1}
+    assert report["full_prefill_steps"] == 1  # the eager first use is no replay
+    assert report["captured"]["full"] == [asdict(BatchDescriptor(128, 4, None))]

@@ -287,6 +287,20 @@ def test_paged_attention_half_precision_prefill_config():
     check_attention(batch, out, scale, torch.float16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_paged_attention_in_a_full_prefill_graph(dtype):
+    """A step as a FULL prefill graph holds it: a chunk after 50 cached tokens and a fresh
+    prompt, padded to 4 requests (two empty ones, length 0, whose block-table rows point at
+    NaN) and 10 tokens past the real ones (of no request). The launch is the large-tile one
+    of the 2 real requests, and writes exactly the real rows, as float64 attention has them."""
+    batch = make_batch([40, 30, 0, 0], [90, 30, 0, 0], 4, 2, 64, dtype, pad_tokens=10)
+    table = batch.block_table
+    padded = choose_config(batch.q, batch.k_cache, table, 4)
+    assert padded == choose_config(batch.q, batch.k_cache, table[:2], 2) and padded.block_q > 1
+    out, scale = run_attention(batch)
+    check_attention(batch, out, scale, dtype)
+
+
 def test_paged_attention_half_precision_decode():
     batch = make_batch([1, 1, 1, 0], [16, 49, 5, 0], 8, 2, 64, torch.float16, pad_tokens=1)
     out, scale = run_attention(batch)

@@ -20,7 +20,6 @@ from ostinato.graphs.breakable import BreakableGraph
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.modes import RUNTIME_MODES, BatchDescriptor, CudaGraphMode
-from ostinato.graphs.plan import CapturePlan
 from ostinato.kernels import variants
 
 logger = logging.getLogger("ostinato")
@@ -98,10 +97,9 @@ class GraphRunner:
     def __init__(self, config: EngineConfig, agree: Agree | None = None) -> None:
         self.config = config
         self.agree: Agree = agree or (lambda outcome: outcome)
-        plan = CapturePlan.from_config(config)
-        self.resolution = resolve(config, plan)
+        self.resolution = resolve(config)
         self.resolution.log()
-        self.dispatcher = Dispatcher(self.resolution.resolved, plan)
+        self.dispatcher = Dispatcher(self.resolution.resolved, self.resolution.plan)
         self.lazy = config.cuda_graph_capture == "lazy"
         self.graphs: dict[CudaGraphMode, dict[BatchDescriptor, BreakableGraph]] = {
             CudaGraphMode.FULL: {},
@@ -114,6 +112,7 @@ class GraphRunner:
         self.num_warmups = 0
         self.steps: Counter[CudaGraphMode] = Counter()
         self.full_decode_steps: Counter[int] = Counter()  # FULL decode replays per query length
+        self.full_prefill_steps = 0  # replays of FULL prefill keys
         self.replays_by_loras: Counter[int] = Counter()  # graph replays per active-adapter count
         self.padded_tokens = 0
         self._forward_fn: ForwardFn | None = None
@@ -169,6 +168,8 @@ class GraphRunner:
         self.steps[mode] += 1
         if desc.uniform_query_len is not None:
             self.full_decode_steps[desc.uniform_query_len] += 1
+        elif self.dispatcher.is_full_prefill(desc):
+            self.full_prefill_steps += 1
         if self._buffers is not None:
             self._check_addresses()
         self.replays_by_loras[desc.num_active_loras] += 1
@@ -371,6 +372,7 @@ class GraphRunner:
             "warmups": self.num_warmups,
             "steps": {m.value: self.steps[m] for m in RUNTIME_MODES},
             "full_decode_steps": {str(q): n for q, n in sorted(self.full_decode_steps.items())},
+            "full_prefill_steps": self.full_prefill_steps,
             "padded_tokens": self.padded_tokens,
             "replays_by_active_loras": {
                 str(k): n for k, n in sorted(self.replays_by_loras.items())

@@ -2,7 +2,9 @@
 
 A rule fires when the current mode is one it maps and its predicate holds; rules apply in
 table order, each to the mode the previous ones left. Notes map a mode to itself: they
-change nothing but tell the user a limit of the mode.
+change nothing but tell the user a limit of the mode. A rule may also leave the FULL prefill
+graphs out of the capture plan (drops_full_prefill); the resolution carries the plan after
+every rule.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Facts:
     max_reqs: int | None  # largest FULL decode capture size
     decode_query_len: int  # largest uniform decode query length: 1 + speculative tokens
     lora_counts: tuple[int, ...]  # active-adapter counts that key graphs; (0,) without LoRA
+    full_prefill_graphs: int  # FULL prefill keys of the plan, every adapter count included
 
     @classmethod
     def of(cls, config: EngineConfig, plan: CapturePlan) -> Facts:
@@ -51,6 +54,9 @@ class Facts:
             max_reqs=plan.decode_sizes[-1] if plan.decode_sizes else None,
             decode_query_len=plan.decode_query_lens[-1],
             lora_counts=plan.lora_counts,
+            full_prefill_graphs=len(plan.prefill_token_sizes)
+            * len(plan.prefill_reqs)
+            * len(plan.lora_counts),
         )
 
 
@@ -60,6 +66,7 @@ class Rule:
     when: Callable[[Facts], bool]
     yields: Mapping[CudaGraphMode, CudaGraphMode]  # the modes it applies to -> what each becomes
     reason: str  # the sentence a user reads; {fields} of Facts, {mode} and {new} are filled in
+    drops_full_prefill: bool = False  # the plan loses its FULL prefill graphs
 
     def fires(self, facts: Facts, mode: CudaGraphMode) -> bool:
         return mode in self.yields and self.when(facts)
@@ -129,6 +136,24 @@ RULES: tuple[Rule, ...] = (
         "no capture size fits max_num_seqs, so {mode} becomes {new}: no FULL decode graphs",
     ),
     Rule(
+        "full_prefill_needs_capturable_attention",
+        lambda f: f.full_prefill_graphs > 0 and f.support is not GraphSupport.ALWAYS,
+        _note(FULL_AND_PIECEWISE),
+        "attention backend '{backend}' can be captured in FULL graphs of uniform decode batches "
+        "only, so there are no FULL prefill graphs: prefill steps of few requests replay "
+        "piecewise graphs",
+        drops_full_prefill=True,
+    ),
+    Rule(
+        "full_prefill_off_with_lora",
+        lambda f: f.full_prefill_graphs > 0 and len(f.lora_counts) > 1,
+        _note(FULL, FULL_AND_PIECEWISE),
+        "no FULL prefill graphs with LoRA: every graph is captured once per adapter count "
+        "{lora_counts}, so they would add {full_prefill_graphs} graphs; prefill steps of few "
+        "requests replay the token-keyed graphs",
+        drops_full_prefill=True,
+    ),
+    Rule(
         "eager_above_capture_size",
         lambda f: f.max_tokens is not None and f.max_tokens < f.max_num_batched_tokens,
         _note(PIECEWISE, FULL, FULL_AND_PIECEWISE),
@@ -165,6 +190,7 @@ class Resolution:
     requested: CudaGraphMode
     resolved: CudaGraphMode
     decisions: tuple[Decision, ...]
+    plan: CapturePlan  # the capture plan the rules left (the dispatcher's)
 
     def as_dict(self) -> dict:
         return {
@@ -180,8 +206,9 @@ class Resolution:
 
 
 def resolve(config: EngineConfig, plan: CapturePlan | None = None) -> Resolution:
-    """Apply every rule of RULES to the configured mode. Pure: touches no device."""
-    facts = Facts.of(config, plan or CapturePlan.from_config(config))
+    """Apply every rule of RULES to the configured mode and plan. Pure: touches no device."""
+    plan = plan or CapturePlan.from_config(config)
+    facts = Facts.of(config, plan)
     requested = mode = CudaGraphMode(config.cuda_graph_mode)
     decisions = []
     for rule in RULES:
@@ -190,4 +217,7 @@ def resolve(config: EngineConfig, plan: CapturePlan | None = None) -> Resolution
             reason = rule.reason.format(mode=mode.value, new=new.value, **asdict(facts))
             decisions.append(Decision(rule.name, reason))
             mode = new
-    return Resolution(requested, mode, tuple(decisions))
+            if rule.drops_full_prefill:
+                plan = plan.without_full_prefill()
+                facts = Facts.of(config, plan)
+    return Resolution(requested, mode, tuple(decisions), plan)

@@ -8,7 +8,6 @@ from ostinato.config import EngineConfig
 from ostinato.footprint import describe
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
-from ostinato.graphs.plan import CapturePlan
 from ostinato.layout import kv_heads_per_rank, stage_layers
 from ostinato.quantization import resolve_quantization
 
@@ -19,8 +18,8 @@ def explain(config: EngineConfig, hf_config=None) -> dict:
     each pipeline stage's share and each tensor rank's (every stage captures the same sizes),
     the quantisation, the mixture-of-experts shape and the weight bytes a decode step reads.
     Queries no device, so `device='cuda'` can be checked on a machine without one."""
-    plan = CapturePlan.from_config(config)
-    resolution = resolve(config, plan)
+    resolution = resolve(config)
+    plan = resolution.plan
     report = {
         **resolution.as_dict(),
         "cuda_graph_capture": config.cuda_graph_capture,

@@ -35,6 +35,12 @@ class CudaGraphMode(enum.Enum):
         """Whether uniform decode batches get their own FULL graphs (keyed by num_reqs)."""
         return self.decode_mode is CudaGraphMode.FULL and self.mixed_mode is not CudaGraphMode.FULL
 
+    @property
+    def full_prefill(self) -> bool:
+        """Whether steps of few requests get FULL graphs keyed by (num_tokens, num_reqs): the
+        modes that graph every step and have FULL graphs (full, full_and_piecewise)."""
+        return self.decode_mode is CudaGraphMode.FULL and self.mixed_mode is not CudaGraphMode.NONE
+
 
 _M = CudaGraphMode
 _PAIRS: dict[CudaGraphMode, tuple[CudaGraphMode, CudaGraphMode]] = {

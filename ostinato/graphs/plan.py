@@ -1,15 +1,21 @@
-"""Which batch sizes get a graph: two separate ladders, and padding to them."""
+"""Which batch sizes get a graph: two separate ladders (and the FULL prefill sizes, taken from
+the token ladder), and padding to them."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ostinato.config import EngineConfig
 
 DENSE_UP_TO = 512  # the dense ladder's last size; above it, SPARSE_STEPS sizes per doubling
 SPARSE_STEPS = 4
+# Padded request counts of FULL prefill graphs. A padded request costs the large-tile
+# attention launch one program per KV head that exits at once, so 2-4 requests share the
+# graphs of 4, and 1 keeps a one-prompt step's launch exactly the eager one; (1, 2, 4) would
+# add half as many graphs again (capture time, 4 MiB each in the reserve) for no gain.
+PREFILL_REQS = (1, 4)
 
 
 def default_ladder(cap: int) -> list[int]:
@@ -58,6 +64,16 @@ class CapturePlan:
     decode_query_lens: 1, and with speculative decoding also 1 + k (a verify step): a step
     where no request has a draft decodes one token each and replays the q = 1 graphs.
     lora_counts: active-adapter counts, one graph per size and count; (0,) without LoRA.
+    prefill_token_sizes x prefill_reqs: FULL prefill graphs (num_tokens, num_reqs, None) for
+    steps of few requests: the token sizes in [full_prefill_min_tokens,
+    full_prefill_max_tokens] (so also capped by max_capture_size), request counts
+    PREFILL_REQS (at most max_num_seqs). With so few padded requests the attention kernel,
+    which picks its launch from tokens per request, takes its large-tile prefill launch, so
+    one long prompt runs its whole step in one replay at the cost of its eager attention.
+    Defaults 64..2048 tokens: from 64, every count has more than 8 tokens per padded request
+    (at most 8 is the kernel's short-query, decode launch); above 2048 the GPU, not the host,
+    sets a step's time (piecewise costs what eager does), and whole fresh prompts of 4096+
+    tokens attend through SDPA, which no graph holds.
     """
 
     token_sizes: tuple[int, ...]
@@ -65,6 +81,8 @@ class CapturePlan:
     max_num_seqs: int
     decode_query_lens: tuple[int, ...] = (1,)
     lora_counts: tuple[int, ...] = (0,)
+    prefill_token_sizes: tuple[int, ...] = ()
+    prefill_reqs: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> CapturePlan:
@@ -75,13 +93,22 @@ class CapturePlan:
             config.max_num_batched_tokens,
         )
         max_reqs = min(config.max_num_seqs, config.max_num_batched_tokens // query_lens[-1])
+        token_sizes = ladder(max_tokens, config.capture_sizes)
+        low, high = config.full_prefill_min_tokens, config.full_prefill_max_tokens
+        prefill = tuple(t for t in token_sizes if low <= t <= high)
+        prefill_reqs = sorted({min(r, config.max_num_seqs) for r in PREFILL_REQS})
         return cls(
-            token_sizes=ladder(max_tokens, config.capture_sizes),
+            token_sizes=token_sizes,
             decode_sizes=ladder(max_reqs, config.capture_sizes),
             max_num_seqs=config.max_num_seqs,
             decode_query_lens=query_lens,
             lora_counts=lora_ladder(config.max_loras) if config.enable_lora else (0,),
+            prefill_token_sizes=prefill,
+            prefill_reqs=tuple(prefill_reqs) if prefill else (),
         )
+
+    def without_full_prefill(self) -> CapturePlan:
+        return replace(self, prefill_token_sizes=(), prefill_reqs=())
 
     def pad_tokens(self, num_tokens: int) -> int | None:
         return padded_size(self.token_sizes, num_tokens)
@@ -91,3 +118,10 @@ class CapturePlan:
 
     def pad_loras(self, num_active_loras: int) -> int | None:
         return padded_size(self.lora_counts, num_active_loras)
+
+    def pad_prefill_reqs(self, num_reqs: int) -> int | None:
+        return padded_size(self.prefill_reqs, num_reqs)
+
+    def in_prefill_range(self, num_tokens: int) -> bool:
+        """Whether the token ladder pads num_tokens to a FULL prefill size."""
+        return self.pad_tokens(num_tokens) in self.prefill_token_sizes

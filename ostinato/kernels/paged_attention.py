@@ -246,6 +246,8 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
     """A launch configuration from shapes alone (never from lengths), so it is fixed under a
     CUDA graph. Batches of short queries (decode, speculative decode) get few rows per tile and
     split the KV so a handful of requests still fills the GPU; others get large tiles.
+    num_reqs is the padded count under a graph: FULL prefill graphs pad to 1 or 4 requests
+    (graphs/plan.py), few enough that a long prompt keeps the large tiles.
 
     num_stages 5: the page-table load feeding each K/V address takes a pipeline stage of its
     own, and fewer stages leave no K/V tile in flight while the previous one is computed."""

@@ -1,6 +1,7 @@
 """On the GPU: the engine against Hugging Face, and every graph mode against eager."""
 
 import gc
+import itertools
 
 import pytest
 import torch
@@ -172,7 +173,8 @@ def test_lazy_capture_matches_eager_capture_token_for_token(checkpoint, dtype, m
 def test_eager_capture_warms_up_once_per_kernel_variant(checkpoint, cold_kernels):
     llm = engine(checkpoint, "full_and_piecewise", dtype="bfloat16")
     report = llm.graph_report()
-    assert report["dropped"] == [] and num_graphs(report) == 5 + 12
+    # FULL decode to 16 requests, PIECEWISE to 128 tokens, FULL prefill 64..128 x 1, 4 requests
+    assert report["dropped"] == [] and num_graphs(report) == 5 + 12 + 5 * 2
     assert 0 < report["warmups"] < num_graphs(report), report  # not one per size
     mixed_workload(llm)
 
@@ -188,16 +190,25 @@ def test_lazy_graph_memory_in_ascending_order_fits_the_reserve(checkpoint, cold_
         enable_prefix_caching=False,  # each prefill runs all its tokens
     )
     sizes = llm.engine.runner.graphs.dispatcher.capture_sizes()
+    prefill = sizes["full_prefill"]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-    # a prefill of n tokens, then decodes of one request; one token alone is a decode batch,
-    # so PIECEWISE size 1 never runs here
+    # a prefill of n tokens in one step, then decodes; where n is a FULL prefill size, as one
+    # prompt, as many prompts as each FULL prefill key has requests, and as 5 (more than any
+    # has: the PIECEWISE key). One token alone is a decode batch, so PIECEWISE size 1 never
+    # runs here
     prefills = [n for n in sizes["piecewise"] if n > 1]
     for n in prefills:
-        llm.generate([list(range(2, 2 + n))], params, use_tqdm=False)
+        counts = [1, *prefill["num_reqs"], 5] if n in prefill["num_tokens"] else [1]
+        for r in dict.fromkeys(counts):
+            lens = [n // r + (i < n % r) for i in range(r)]
+            llm.generate([list(range(2, 2 + k)) for k in lens], params, use_tqdm=False)
     for n in sizes["full"]:  # n requests decoding together
         llm.generate([[2 + i] for i in range(n)], params, use_tqdm=False)
     report = llm.graph_report()
-    assert [d["num_tokens"] for d in report["captured"]["piecewise"]] == prefills, report
-    assert [d["num_reqs"] for d in report["captured"]["full"]] == sizes["full"], report
+    assert sorted(d["num_tokens"] for d in report["captured"]["piecewise"]) == prefills, report
+    full = report["captured"]["full"]
+    assert sorted(d["num_reqs"] for d in full if d["uniform_query_len"]) == sizes["full"], report
+    pairs = {(d["num_tokens"], d["num_reqs"]) for d in full if d["uniform_query_len"] is None}
+    assert pairs == set(itertools.product(prefill["num_tokens"], prefill["num_reqs"])), report
     budget = llm.engine.runner.graph_memory_budget
     assert 0 < report["graph_memory_bytes"] <= budget, (report["graph_memory_bytes"], budget)
