@@ -107,7 +107,7 @@ def test_pipeline_stages_match_whole_model(arch, tmp_path):
     assert torch.equal(kept.residual, sent.residual)
 
 
-@pytest.mark.parametrize("lens", [PROMPT_LENS[1:2], PROMPT_LENS])  # 1 row: FMAs; 3: tl.dot
+@pytest.mark.parametrize("lens", [PROMPT_LENS[1:2], PROMPT_LENS], ids=["fma-1", "dot-3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # + biases, + q/k norms
 def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, monkeypatch):
     """A decode token per request where the small-batch kernels run (forced on the CPU,

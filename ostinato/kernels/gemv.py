@@ -62,9 +62,13 @@ def max_rows(weight_elements: int) -> int:
 
 def rows_pay(rows: int, n: int, k: int) -> bool:
     """Whether `rows` rows of x times an [n, k] weight take the kernel (ROW_LIMITS; one row
-    only up to MAX_K columns and MAX_WEIGHT_ELEMENTS)."""
-    one_row_pays = k <= MAX_K and n * k <= MAX_WEIGHT_ELEMENTS
-    return rows <= max_rows(n * k) and (rows != 1 or one_row_pays)
+    only where one_row_pays)."""
+    return rows <= max_rows(n * k) and (rows != 1 or one_row_pays(n, k))
+
+
+def one_row_pays(n: int, k: int) -> bool:
+    """Where the one-row kernel (FMAs) was measured beating cuBLAS, whatever ROW_LIMITS says."""
+    return k <= MAX_K and n * k <= MAX_WEIGHT_ELEMENTS
 
 
 def gemv_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
