@@ -5,13 +5,14 @@
 Measures the device-to-device copy bandwidth and the bf16 matmul rate (the two ceilings),
 decode and prefill paged attention in a Llama-3.1-8B layer shape against them, the fused
 norm / RoPE + KV store / activation kernels against the torch sequences they replace, the
-small-batch projection kernel against cuBLAS, (`fp8`) the FP8 small-batch kernel against
-the one it replaced, bf16 cuBLAS and the copy floor, and (`moe`) qwen3-30b-a3b's fused MoE
-GEMMs at decode sizes against their launch before and the copy floor. Kernels are timed inside
-CUDA graphs, as the engine runs them: no launch overhead, and each captured call reads its own
-KV blocks or weights so the L2 cache cannot serve repeats. The `sweep`, `fp8-sweep` and
-`moe-sweep` sections also time other launch configurations, to tune `choose_config`,
-`gemv_config` and `moe_config`.
+small-batch projection kernel against cuBLAS, (`gemv-rows`) that kernel at 1-32 rows with its
+fusions against cuBLAS and the kernels the unfused path launches around it, (`fp8`) the FP8
+small-batch kernel against the one it replaced, bf16 cuBLAS and the copy floor, and (`moe`)
+qwen3-30b-a3b's fused MoE GEMMs at decode sizes against their launch before and the copy floor.
+Kernels are timed inside CUDA graphs, as the engine runs them: no launch overhead, and each
+captured call reads its own KV blocks or weights so the L2 cache cannot serve repeats. The
+`sweep`, `fp8-sweep` and `moe-sweep` sections also time other launch configurations, to tune
+`choose_config`, `gemv_config` and `moe_config`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import triton
 from triton.testing import do_bench
 
 from ostinato.kernels import fp8, fused_add_rms_norm, moe, rms_norm, rope_and_store, silu_and_mul
+from ostinato.kernels import gemv as gemv_module
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.gemv import gemv
+from ostinato.kernels.gemv import gemv, gemv_normed
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.rope_store import rotary_torch
 
@@ -638,6 +640,126 @@ def gemv_rows(copy_bw: float) -> list[list[str]]:
     return rows
 
 
+# ---- small-batch projections at 1-32 rows ---------------------------------------------------
+
+GEMV_ROWS = (1, 2, 4, 8, 16, 32)
+LAYER_PROJECTIONS = {  # model: projection -> (weight rows, K, its fusion in a fused layer)
+    "qwen3-0.6b": {
+        "qkv": (4096, 1024, "norm"),
+        "o": (1024, 2048, "add"),
+        "gate|up": (6144, 1024, "norm+silu"),
+        "down": (1024, 3072, "add"),
+    },
+    "llama-3.1-8b": {
+        "qkv": (6144, 4096, "norm"),
+        "o": (4096, 4096, "add"),
+        "gate|up": (28672, 4096, "norm+silu"),
+        "down": (4096, 14336, "add"),
+    },
+}
+
+
+def _gemv_configs(m: int, n_out: int, k: int, silu: bool, sms: int) -> list:
+    """gemv_config's choice first, then tl.dot tiles of 32 and 128 weight rows (each with
+    its own split); at one row also the 64-row tile, which the 2-16 row launches compile.
+    One row of a weight that one_row_pays refuses: tl.dot only (the engine never runs FMAs
+    there)."""
+    dot = [gemv_module.dot_config(m, n_out, k, block_n, 64, 2, sms) for block_n in (64, 32, 128)]
+    fma = m > 1 or gemv_module.one_row_pays(n_out * 2 if silu else n_out, k)
+    first = [gemv_module.gemv_config(m, n_out, k, 2, sms)] if fma else []
+    return list(dict.fromkeys([*first, *dot]))
+
+
+def gemv_by_rows(copy_bw: float) -> tuple[list[list[str]], list[list[str]]]:
+    """Each projection of a qwen3-0.6b and a llama-3.1-8b decoder layer at 1-32 rows, with
+    the fusion the engine gives it (qkv: the input norm in its prologue; o and down: the
+    residual add in their epilogues; gate|up: the norm and SiLU-and-mul), in a few launch
+    configurations, against cuBLAS alone and against what the unfused path launches for the
+    same work: qkv the fused add + norm kernel, then cuBLAS; o and down cuBLAS (their add
+    goes to the next norm); gate|up the add + norm, cuBLAS, then our SiLU-and-mul. Each call
+    on its own weights from a ring larger than L2. -> (projection rows, layer rows: the four
+    summed)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows, layers = [], {}
+    for model, projections in LAYER_PROJECTIONS.items():
+        for name, (n, k, fusion) in projections.items():
+            silu, normed = "silu" in fusion, "norm" in fusion
+            n_out = n // 2 if silu else n
+            count = max(4, min(64, L2_FLUSH_BYTES // (n * k * 2)))
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.03
+                       for _ in range(count)]  # fmt: skip
+            norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+            for m in GEMV_ROWS:
+                case = _ProjectionCase(m, n, k, silu, normed, weights, norm_w)
+                timed = []
+                for config in _gemv_configs(m, n_out, k, silu, sms):
+                    try:
+                        seconds = graph_seconds(case.ours(config))
+                    except Exception as error:  # a configuration the compiler rejects
+                        print(f"gemv {model} {name} {m} {config}: {type(error).__name__}")
+                        continue
+                    timed.append((seconds, config))
+                cublas, alone = graph_seconds(case.cublas()), graph_seconds(case.unfused())
+                default, best = timed[0][0], min(timed)
+                total = layers.setdefault((model, m), [0.0, 0.0, 0.0])
+                for i, seconds in enumerate((default, best[0], alone)):
+                    total[i] += seconds
+                rows.append([
+                    model, f"{name} ({fusion})", str(m), f"{n * k * 2 / 1e6:.1f}",
+                    f"{n * k * 2 / copy_bw * 1e6:.2f}", f"{default * 1e6:.2f}",
+                    _gemv_short(timed[0][1]), f"{best[0] * 1e6:.2f}", _gemv_short(best[1]),
+                    f"{cublas * 1e6:.2f}",
+                    f"{alone * 1e6:.2f}", f"{alone / default:.2f}x", f"{alone / best[0]:.2f}x",
+                ])  # fmt: skip
+            del weights
+            torch.cuda.empty_cache()
+    layer_rows = [
+        [model, str(m), f"{ours * 1e6:.2f}", f"{best * 1e6:.2f}", f"{alone * 1e6:.2f}",
+         f"{alone / ours:.2f}x", f"{alone / best:.2f}x"]
+        for (model, m), (ours, best, alone) in layers.items()
+    ]  # fmt: skip
+    return rows, layer_rows
+
+
+class _ProjectionCase:
+    """Calls of one projection at m rows, one per weight of the ring: ours (normed: the norm in
+    the prologue, + SiLU with silu; else the residual add in the epilogue), cuBLAS alone, and
+    the unfused sequence."""
+
+    def __init__(self, m, n, k, silu, normed, weights, norm_w) -> None:
+        self.silu, self.normed, self.weights, self.norm_w = silu, normed, weights, norm_w
+        self.x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        width = k if normed else n // 2 if silu else n  # the norm's residual, or the output's
+        self.residual = torch.randn(m, width, device="cuda", dtype=torch.bfloat16)
+
+    def ours(self, config) -> list[Callable]:
+        return [lambda w=w: self._ours(w, config) for w in self.weights]
+
+    def cublas(self) -> list[Callable]:
+        return [lambda w=w: F.linear(self.x, w) for w in self.weights]
+
+    def unfused(self) -> list[Callable]:
+        return [lambda w=w: self._unfused(w) for w in self.weights]
+
+    def _ours(self, w, config):
+        if self.normed:
+            return gemv_normed(self.x, None, self.norm_w, 1e-6, w, silu_and_mul=self.silu,
+                               config=config)  # fmt: skip
+        return gemv(self.x, w, add=self.residual, config=config)
+
+    def _unfused(self, w):
+        if self.normed:
+            fused_add_rms_norm(self.x, self.residual, self.norm_w, 1e-6)
+        y = F.linear(self.x, w)
+        return silu_and_mul(y) if self.silu else y
+
+
+def _gemv_short(config) -> str:
+    if config.rows == 1:
+        return f"fma, {config.block_n} x {config.block_k}"
+    return f"dot {config.rows} rows, {config.block_n} x {config.block_k}, split {config.split}"
+
+
 GEMV_SHAPES = {  # name: (weight rows, K, gate|up with SiLU)
     "qwen3-0.6b qkv": (4096, 1024, False),
     "qwen3-0.6b o": (1024, 2048, False),
@@ -656,7 +778,9 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="decode,prefill,fused,gemv",
-        help="comma-separated: decode, prefill, fused, gemv, sweep (launch configurations), "
+        help="comma-separated: decode, prefill, fused, gemv, gemv-rows (the small-batch "
+        "projection kernel at 1-32 rows with its fusions, against cuBLAS and the unfused "
+        "kernels: sets gemv.ROW_LIMITS), sweep (launch configurations), "
         "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
         "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
@@ -728,6 +852,47 @@ def main() -> None:
                     "speedup",
                 ],
                 gemv_rows(copy_bw),
+            )  # fmt: skip
+        )
+    if "gemv-rows" in chosen:
+        projection_rows, layer_rows = gemv_by_rows(copy_bw)
+        sections.append(
+            "## Small-batch projections at 1-32 rows: ours with its fusions against cuBLAS "
+            "and the unfused kernels (µs per call in a CUDA graph; floor: the weights read at "
+            "copy bandwidth)\n\n"
+            + table(
+                [
+                    "model",
+                    "projection (fusion)",
+                    "rows",
+                    "MB",
+                    "floor µs",
+                    "ours µs",
+                    "ours config",
+                    "best µs",
+                    "best config",
+                    "cuBLAS µs",
+                    "unfused µs",
+                    "ours vs unfused",
+                    "best vs unfused",
+                ],
+                projection_rows,
+            )  # fmt: skip
+            + "\n\nours: gemv_config's launch; best: the fastest of it and the other tl.dot "
+            "tiles. unfused: what the engine launches without the kernel (qkv: add + norm, "
+            "cuBLAS; o, down: cuBLAS; gate|up: add + norm, cuBLAS, SiLU-and-mul).\n\n"
+            "### A decoder layer's four projections, summed\n\n"
+            + table(
+                [
+                    "model",
+                    "rows",
+                    "ours µs",
+                    "best µs",
+                    "unfused µs",
+                    "ours vs unfused",
+                    "best vs unfused",
+                ],
+                layer_rows,
             )  # fmt: skip
         )
     if "fp8" in chosen:

@@ -347,6 +347,12 @@ def main() -> None:
     parser.add_argument("--no-pdl", action="store_true", help="A/B: launch without PDL")
     parser.add_argument("--no-gemv", action="store_true", help="A/B: cuBLAS for every projection")
     parser.add_argument(
+        "--gemv-rows",
+        type=int,
+        help="A/B: the small-batch projection kernel up to this many rows, for every weight "
+        "size gemv.ROW_LIMITS admits (1: one row, as before the tl.dot rows)",
+    )
+    parser.add_argument(
         "--no-fuse", action="store_true", help="A/B: small-batch projections without the norms"
     )
     parser.add_argument(
@@ -359,8 +365,11 @@ def main() -> None:
         importlib.import_module("ostinato.kernels.dispatch").PDL = False
     if args.no_fuse:
         importlib.import_module("ostinato.layers.linear").FUSE = False
+    gemv = importlib.import_module("ostinato.kernels.gemv")
+    if args.gemv_rows is not None:
+        gemv.ROW_LIMITS = tuple((elements, args.gemv_rows) for elements, _ in gemv.ROW_LIMITS)
     if args.no_gemv:
-        importlib.import_module("ostinato.kernels.gemv").MAX_ROWS = 0
+        gemv.ROW_LIMITS = ()
     sections = set(args.sections.split(","))
     lengths = [int(n) for n in args.prefill_lengths.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -388,7 +397,7 @@ def main() -> None:
                      floor_ms=floor * 1e3, ratio=ms / (floor * 1e3))  # fmt: skip
             if "phases" in sections:
                 emit(mode=mode, batch=batch, section="phases", **phases(engine, batch, 20))
-            if "kernels" in sections and batch == 1 and mode != "none":
+            if "kernels" in sections and mode != "none":
                 emit(mode=mode, batch=batch, section="kernels", **kernels(engine, batch))
             if "host" in sections:
                 emit(mode=mode, batch=batch, section="host", **host_profile(engine, batch, 20))

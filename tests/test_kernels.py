@@ -17,7 +17,6 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.gemv import gemv, gemv_normed, gemv_normed_torch, gemv_pays, gemv_torch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import Config, choose_config, paged_attention_torch
 from ostinato.kernels.rope_store import rope_and_store_torch
@@ -445,89 +444,6 @@ def test_rope_and_store_rounds_like_the_unfused_layers():
     twin.run(rope_and_store_torch, norm=True)
     assert (case.q != twin.q).float().mean() < 0.01
     assert (case.k != twin.k).float().mean() < 0.01
-
-
-# ---- small-batch projection --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_linear(rows, silu, bias, dtype):
-    """x @ W.T (+ bias), and with silu the merged gate|up projection's silu(gate) * up, over
-    a K that is no multiple of the 512-wide chunk and an N no multiple of the columns per
-    program; the output starts as NaN."""
-    k, n = 1100, 2 * 37
-    x = torch.randn(rows, k).to(dtype)
-    weight = (torch.randn(n, k) * 0.05).to(dtype)
-    b = (torch.randn(n) * 0.1).to(dtype) if bias else None
-    out = gemv(x, weight, b, silu_and_mul=silu)
-    assert out.shape == (rows, n // 2 if silu else n)
-    close(out, gemv_torch(x, weight, b, silu), dtype, scale=5)
-    y = x.double() @ weight.double().T + (b.double() if bias else 0)
-    if silu:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
-    close(out, y, dtype, scale=5)
-
-
-def silu_64(y):
-    gate, up = y.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("silu", [False, True])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_gemv_normed_is_norm_then_projection(rows, silu, with_residual, dtype):
-    """The norm prologue (after the residual add when given) against the unfused sequence in
-    float64: s = x + residual, y = rms_norm(s) @ W.T + b (then silu); the stream s comes back
-    as a new tensor, x and residual untouched. K = 1100 spans three 512-wide chunks."""
-    k, n = 1100, 2 * 37
-    x = torch.randn(rows, k).to(dtype)
-    residual = torch.randn(rows, k).to(dtype) if with_residual else None
-    norm_w = (torch.rand(k) + 0.5).to(dtype)
-    weight = (torch.randn(n, k) * 0.05).to(dtype)
-    b = (torch.randn(n) * 0.1).to(dtype)
-    x_before = x.clone()
-    out, stream = gemv_normed(x, residual, norm_w, 1e-6, weight, b, silu)
-    assert torch.equal(x, x_before)
-    s = x.double() + (residual.double() if with_residual else 0)
-    if with_residual:
-        assert stream.data_ptr() not in (x.data_ptr(), residual.data_ptr())
-        close(stream, s, dtype)
-    else:
-        assert stream is x
-    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
-    y = normed @ weight.double().T + b.double()
-    y = silu_64(y) if silu else y
-    assert out.shape == y.shape
-    close(out, y, dtype, scale=5)
-    expected, _ = gemv_normed_torch(x, residual, norm_w, 1e-6, weight, b, silu)
-    close(out, expected, dtype, scale=2)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("silu", [False, True])
-def test_gemv_adds_the_residual_in_its_epilogue(silu, dtype):
-    """y = x @ W.T (+ silu) + residual into a new tensor, the residual only read; odd K and N."""
-    k, n = 333, 2 * 19
-    x = torch.randn(1, k).to(dtype)
-    weight = (torch.randn(n, k) * 0.05).to(dtype)
-    residual = torch.randn(1, n // 2 if silu else n).to(dtype)
-    before = residual.clone()
-    out = gemv(x, weight, silu_and_mul=silu, add=residual)
-    assert torch.equal(residual, before) and out.data_ptr() != residual.data_ptr()
-    y = x.double() @ weight.double().T
-    close(out, (silu_64(y) if silu else y) + residual.double(), dtype, scale=5)
-    close(out, gemv_torch(x, weight, None, silu, add=residual), dtype, scale=2)
-
-
-def test_gemv_is_for_single_rows_on_cuda_only():
-    w = torch.randn(32, 64)
-    assert not gemv_pays(torch.randn(1, 64), w)  # CPU tensors keep F.linear
 
 
 def test_cached_launches_follow_each_calls_token_count():

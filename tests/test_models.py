@@ -107,27 +107,29 @@ def test_pipeline_stages_match_whole_model(arch, tmp_path):
     assert torch.equal(kept.residual, sent.residual)
 
 
+@pytest.mark.parametrize("lens", [PROMPT_LENS[1:2], PROMPT_LENS], ids=["fma-1", "dot-3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # + biases, + q/k norms
-def test_one_token_decode_through_the_fused_projections_matches_hf(arch, tmp_path, monkeypatch):
-    """A decode token where the small-batch kernels run (forced on the CPU, interpreted): the
-    norms in the projections' prologues and the residual adds in their epilogues give HF's
-    logits; the prefill before it takes the unfused path, so both kinds share one stream."""
+def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, monkeypatch):
+    """A decode token per request where the small-batch kernels run (forced on the CPU,
+    interpreted): the norms in the projections' prologues and the residual adds in their
+    epilogues give HF's logits; the prefill before it takes the unfused path, so both kinds
+    share one stream."""
     checkpoint = make_hf_checkpoint(arch, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     model = load(checkpoint)
-    seq = torch.randint(0, hf.config.vocab_size, (PROMPT_LENS[1] + 1,))
+    seqs = [torch.randint(0, hf.config.vocab_size, (n + 1,)) for n in lens]
     with torch.no_grad():
-        want = hf(seq[None]).logits[0, -1:]
+        want = torch.cat([hf(s[None]).logits[0, -1:] for s in seqs])
     kv = kv_caches(hf.config)
-    positions, meta = step_metadata([0], [PROMPT_LENS[1]])
-    run(model, kv, seq[:-1], positions, meta)
+    positions, meta = step_metadata([0] * len(lens), lens)
+    run(model, kv, torch.cat([s[:-1] for s in seqs]), positions, meta)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fused = []  # the projections of the layers (the LM head would only slow the interpreter)
     pays = lambda x, w: w.shape[0] != hf.config.vocab_size and not fused.append(w.shape)  # noqa: E731
     monkeypatch.setattr(linear_module, "gemv_pays", pays)
     monkeypatch.setattr(gemv_module, "_PROGRAMS", 8)  # wide programs: fewer to interpret
-    positions, meta = step_metadata([PROMPT_LENS[1]], [1])
-    got = run(model, kv, seq[-1:], positions, meta)
+    positions, meta = step_metadata(lens, [1] * len(lens))
+    got = run(model, kv, torch.cat([s[-1:] for s in seqs]), positions, meta)
     assert len(fused) >= 4 * hf.config.num_hidden_layers
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 

@@ -13,15 +13,12 @@ then the same matmul, so CI tests the math.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ostinato.kernels.dispatch import (
-    SPLIT_COUNTS,
     interpreting,
     jit,
     num_sms,
@@ -30,6 +27,13 @@ from ostinato.kernels.dispatch import (
     use_triton,
 )
 from ostinato.kernels.launch import Launch
+from ostinato.kernels.small_batch import (
+    GemvConfig,
+    arrive,
+    gather,
+    load_weights,
+    split_span,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -118,16 +122,6 @@ def _quantize_tokens_kernel(
         tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
 
 
-class GemvConfig(NamedTuple):
-    rows: int  # rows per program: M padded for tl.dot (>= 16), or 1 (FMAs and a sum)
-    block_n: int  # weight rows (output columns) per program
-    block_k: int  # K columns per step
-    span: int  # K columns per split (a multiple of block_k)
-    split: int  # programs along K; their fp32 partials are summed by the last to finish
-    num_warps: int
-    num_stages: int
-
-
 def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int) -> GemvConfig:
     """The launch configuration of _fp8_gemv_kernel, from shapes alone (fixed under a graph).
 
@@ -154,10 +148,7 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
         split = max(1, min(2 * sms // tiles, k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
         block_k = min(block_k, block[1])
-    span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, span)
-    if triton.cdiv(n, block_n) > SPLIT_COUNTS:
-        span, split = triton.cdiv(k, block_k) * block_k, 1
+    span, split = split_span(k, block_k, split, triton.cdiv(n, block_n))
     return GemvConfig(rows, block_n, block_k, span, split, warps, stages)
 
 
@@ -217,10 +208,8 @@ def _fp8_gemv_kernel(
     is wrong); BIT_MOVES: bfloat16 weights by _bf16_from_fp8. EVEN: no masks on the weights.
 
     SPLIT > 1: each program stores its fp32 partial in part_ptr [SPLIT, M, N] and counts
-    itself in sem_ptr[tile]; the last of a tile's programs sums the partials in split order
-    (the same sum on every run), resets the count to 0 for the next call and stores y. No
-    program waits for another, and the count is the kernel's own: the next kernel on the
-    stream starts its work only after this one completes (PDL's gdc_wait included)."""
+    itself in sem_ptr[tile]; the last of a tile's programs sums the partials and stores y
+    (kernels/small_batch.py)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
@@ -232,7 +221,7 @@ def _fp8_gemv_kernel(
     if ROWS == 1:
         # the first chunk of weights, which no kernel writes, is read while the one before
         # drains
-        w = _load_weights(w_rows, k_lo + k, col_ok, K, EVEN)
+        w = load_weights(w_rows, k_lo + k, col_ok, K, EVEN)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -240,7 +229,7 @@ def _fp8_gemv_kernel(
         for c in tl.static_range(SPAN // BLOCK_K):
             kk = k_lo + c * BLOCK_K + k
             if c > 0:
-                w = _load_weights(w_rows, kk, col_ok, K, EVEN)
+                w = load_weights(w_rows, kk, col_ok, K, EVEN)
             x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             if BLOCKWISE:
                 s = tl.load(s_cols + (k_lo + c * BLOCK_K) // BLOCK_SK, mask=col_ok, other=0.0)
@@ -255,7 +244,7 @@ def _fp8_gemv_kernel(
         x_rows = x_ptr + rows[:, None] * stride_xm
         for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
             kk = k0 + k
-            w = _load_weights(w_rows, kk, col_ok, K, EVEN)
+            w = load_weights(w_rows, kk, col_ok, K, EVEN)
             x_ok = (rows < M)[:, None] if EVEN else (rows < M)[:, None] & (kk < K)[None, :]
             x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
             if F32_DOT:
@@ -273,26 +262,15 @@ def _fp8_gemv_kernel(
     if SPLIT > 1:
         parts = part_ptr + rows[:, None] * N + cols[None, :]
         tl.store(parts + tl.program_id(1) * M * N, acc, mask=ok)
-        tl.debug_barrier()  # every thread's partial stored before the count releases them
         sem = sem_ptr + tl.program_id(0)
-        last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        last = arrive(sem, SPLIT)
         ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
-        acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for split in tl.static_range(SPLIT):  # .cg: from L2, where the other SMs wrote
-            acc += tl.load(parts + split * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = gather(parts, M * N, ok, SPLIT)
         tl.store(sem, 0, mask=last)
     if not BLOCKWISE:
         acc *= tl.load(s_cols, mask=col_ok, other=0.0)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=ok)  # fmt: skip
-
-
-@jit
-def _load_weights(w_rows, kk, col_ok, K, EVEN: tl.constexpr):
-    """Columns kk of the weight rows; EVEN: every row and column is in bounds, no masks."""
-    if EVEN:
-        return tl.load(w_rows + kk[None, :])
-    return tl.load(w_rows + kk[None, :], mask=col_ok[:, None] & (kk < K)[None, :], other=0.0)
 
 
 _launches: dict[tuple, tuple[Launch, GemvConfig]] = {}  # per shape, as kernels/gemv.py keeps

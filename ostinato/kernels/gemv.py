@@ -3,16 +3,22 @@ SiLU-and-mul, and the residual add after it.
 
 cuBLAS runs a small decode projection (a few MB of weights) as a latency-bound GEMM with few
 thread blocks, at a third of the copy bandwidth, some as a split-K GEMM plus a reduction
-kernel. Here every program reads a few whole weight rows with all their loads in flight, and
-what would be separate small kernels around it runs inside it:
-- a norm prologue: each program normalises the input row itself (the hidden size is small,
-  the row comes from L2), adding the residual first when the norm is the fused add + norm;
-  program 0 stores that sum, the residual stream the layer goes on with;
+kernel, and every op around it is a small kernel of its own. Here the weights stream through
+one kernel, and what would be separate small kernels around it runs inside it:
+- a norm prologue: the input rows are normalised in the kernel (the hidden size is small, the
+  rows come from L2), adding the residual first when the norm is the fused add + norm; the
+  programs of the first column tile store that sum, the residual stream the layer goes on with;
 - SiLU-and-mul over a merged gate|up projection before storing;
 - a residual epilogue: the output is the projection plus the residual stream, so the norm
   that follows reads one tensor.
+One row: every program reads a few whole weight rows with all their loads in flight, FMAs and
+a sum (_gemv_row_kernel). From DOT_ROWS rows: tl.dot on x padded to 16 or 32 rows, the tensor
+cores' smallest tile (_gemv_dot_kernel), K split over programs where the weight has too few
+rows to fill the GPU (kernels/small_batch.py, as the FP8 kernel does).
 Every fused step rounds to the tensor dtype where the unfused kernels store, so both paths
-give the same values.
+give the same values, but for one step of tl.dot's norm: the row's 1/rms scales the product
+rather than the input (its sum of squares is taken in the same pass over x as the product), so
+the input rounds once as x * norm weight instead of as x / rms * norm weight.
 """
 
 import torch
@@ -21,29 +27,67 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
+from ostinato.kernels.dispatch import (
+    interpreting,
+    jit,
+    num_sms,
+    pdl_options,
+    split_counts,
+    use_triton,
+)
 from ostinato.kernels.launch import Launch
 from ostinato.kernels.norm import rms_norm_torch
+from ostinato.kernels.small_batch import (
+    GemvConfig,
+    arrive,
+    gather,
+    load_weights,
+    split_span,
+)
 
-# Where it beat cuBLAS on the H100 (benchmarks/perf-h100.md): one row, 1.06-1.35x for weights
-# of 4-50 MB with K up to 4096; at 4 rows it lost (0.4-0.8x), and at K = 8192 it lost (0.95x).
-MAX_ROWS = 1
+# The most rows of x that take the kernel, by weight size: entries (weight elements at most,
+# rows at most) by increasing size, the first that holds the weight decides; a weight larger
+# than every entry takes cuBLAS. 2-16 rows (tl.dot), from `bench_kernels.py --sections
+# gemv-rows` on the H100 (benchmarks/h100-2026-11-25-s18.md): with their fusions, weights of
+# up to 3M elements (qwen3-0.6b's o and down) beat cuBLAS and the separate kernels by 1.14-1.32x;
+# larger ones (its qkv and gate|up, every llama-3.1-8b projection) lost (0.77-0.99x), and at 32
+# rows every one lost. One row (FMAs) beat cuBLAS (benchmarks/perf-h100.md) by 1.06-1.35x for
+# weights of 4-50 MB with K up to 4096, and lost at K = 8192 (0.95x): it also needs MAX_K and
+# MAX_WEIGHT_ELEMENTS.
+ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 16), (32 << 20, 1))
 MAX_K = 4096
 MAX_WEIGHT_ELEMENTS = 32 << 20
-_PROGRAMS = 512  # enough programs to keep every SM's memory pipe busy
+DOT_ROWS = 2  # from here the rows go through tl.dot
+_PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
+
+
+def max_rows(weight_elements: int) -> int:
+    """The most rows of x that take the kernel for a weight of this many elements."""
+    for elements, rows in ROW_LIMITS:
+        if weight_elements <= elements:
+            return rows
+    return 0
+
+
+def rows_pay(rows: int, n: int, k: int) -> bool:
+    """Whether `rows` rows of x times an [n, k] weight take the kernel (ROW_LIMITS; one row
+    only where one_row_pays)."""
+    return rows <= max_rows(n * k) and (rows != 1 or one_row_pays(n, k))
+
+
+def one_row_pays(n: int, k: int) -> bool:
+    """Where the one-row kernel (FMAs) was measured beating cuBLAS, whatever ROW_LIMITS says."""
+    return k <= MAX_K and n * k <= MAX_WEIGHT_ELEMENTS
 
 
 def gemv_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this projection takes the kernel: one row and a weight of at most MAX_K columns
-    and MAX_WEIGHT_ELEMENTS. Shapes alone decide, so a graph's eager warm-up launches the
-    kernels its capture will (graphs/capture.py relies on that)."""
+    """Whether this projection takes the kernel (rows_pay). Shapes alone decide, so a graph's
+    eager warm-up launches the kernels its capture will (graphs/capture.py relies on that)."""
     return (
         x.is_cuda
         and x.dim() == 2
-        and x.shape[0] <= MAX_ROWS
-        and weight.shape[1] <= MAX_K
-        and weight.numel() <= MAX_WEIGHT_ELEMENTS
         and x.dtype == weight.dtype
+        and rows_pay(x.shape[0], *weight.shape)
     )
 
 
@@ -53,11 +97,13 @@ def gemv(
     bias: torch.Tensor | None = None,
     silu_and_mul: bool = False,
     add: torch.Tensor | None = None,  # [M, N or N / 2]: added to the output (a residual)
+    config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias); with silu_and_mul, silu(gate) * up -> [M, N / 2]; then + add.
-    The output is a new tensor (add is only read)."""
+    The output is a new tensor (add is only read). config: gemv_config's unless given
+    (benchmarks time others)."""
     if use_triton(x):
-        return _gemv_triton(x, weight, bias, silu_and_mul, add=add)[0]
+        return _gemv_triton(x, weight, bias, silu_and_mul, add=add, config=config)[0]
     return gemv_torch(x, weight, bias, silu_and_mul, add=add)
 
 
@@ -69,11 +115,14 @@ def gemv_normed(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     silu_and_mul: bool = False,
+    config: GemvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemv(rms_norm(s), ...), s) with s = x + residual (a new tensor), or s = x without a
     residual. x and residual are only read."""
     if use_triton(x):
-        return _gemv_triton(x, weight, bias, silu_and_mul, residual, norm_weight, eps)
+        return _gemv_triton(
+            x, weight, bias, silu_and_mul, residual, norm_weight, eps, config=config
+        )
     return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul)
 
 
@@ -88,34 +137,79 @@ def gemv_normed_torch(x, residual, norm_weight, eps, weight, bias=None, silu_and
     return gemv_torch(rms_norm_torch(stream, norm_weight, eps), weight, bias, silu_and_mul), stream
 
 
+def gemv_config(m: int, n_out: int, k: int, itemsize: int, sms: int) -> GemvConfig:
+    """The launch configuration for m rows of x and n_out output columns (gate|up: its gate
+    rows) over K, from shapes alone (fixed under a graph).
+
+    One row: few weight rows per program, so about _PROGRAMS programs hold the loads in
+    flight, and K unrolled in chunks of 512 columns so all of them issue at once.
+    More rows: tl.dot on x padded to 16 or 32 rows, 64 weight rows a program in chunks of 64
+    columns (8 KB of bf16, a pipeline of 4), and K split until there are about two programs
+    per SM, each split at least 4 chunks so the pipeline fills and the fp32 partials stay
+    small beside the weights; as the FP8 kernel, whose chunks are as many bytes. float32
+    weights keep a pipeline of 2 (their tiles take twice the shared memory)."""
+    if m < DOT_ROWS:
+        block_k = min(512, triton.next_power_of_2(k))
+        block_n = max(1, min(16, triton.next_power_of_2(n_out) // _PROGRAMS))
+        return GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, 4, 1)
+    return dot_config(m, n_out, k, 64, 64, itemsize, sms)
+
+
+def dot_config(
+    m: int, n_out: int, k: int, block_n: int, block_k: int, itemsize: int, sms: int
+) -> GemvConfig:
+    """gemv_config's tl.dot configuration for a given tile (benchmarks time several)."""
+    rows = 16 if m <= 16 else 32
+    tiles = triton.cdiv(n_out, block_n) * triton.cdiv(m, rows)
+    split = max(1, min(2 * sms // tiles, k // (4 * block_k)))
+    span, split = split_span(k, block_k, split, tiles)
+    return GemvConfig(rows, block_n, block_k, span, split, 4, 4 if itemsize <= 2 else 2)
+
+
 @jit
-def _input_chunk(x_ptr, res_ptr, m, kk, K, stride_xm, stride_rm, ADD_IN: tl.constexpr):
-    """Columns kk of input row m, as the unfused kernels store it: x, or x + residual rounded
+def _input_chunk(x_ptrs, r_ptrs, mask, ADD_IN: tl.constexpr):
+    """A chunk of the input rows as the unfused kernels store it: x, or x + residual rounded
     to the dtype."""
-    x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0)
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
     if ADD_IN:
-        r = tl.load(res_ptr + m * stride_rm + kk, mask=kk < K, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     return x
 
 
 @jit
-def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr,
-    n_out, K, eps, stride_xm, stride_wn, stride_ym, stride_rm, stride_sm,
-    M: tl.constexpr, M_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr,
-    ADD_IN: tl.constexpr, ADD_OUT: tl.constexpr, PDL: tl.constexpr,
+def _activate(gate, up, cols, col_ok, bias_ptr, y_ptr, n_out, HAS_BIAS: tl.constexpr,
+              SILU: tl.constexpr):  # fmt: skip
+    """The projection's output columns cols from the float32 products (gate only without
+    SILU): + bias, then silu(gate) * up, each rounded where the unfused kernels store."""
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if SILU:
+            up += tl.load(bias_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)
+    y = gate
+    if SILU:
+        # rounded to the output dtype first, as the unfused projection stores it
+        g = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = g * tl.sigmoid(g) * up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    return y
+
+
+@jit
+def _gemv_row_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, n_out, K, eps, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr, ADD_OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """BLOCK_N output columns per program over the whole K, unrolled in CHUNKS of BLOCK_K so
-    every weight load is independent of the arithmetic and can be in flight at once. With
-    SILU, column j combines weight rows j (gate) and n_out + j (up). With NORM the input rows
-    are normalised first (after adding res_ptr's rows with ADD_IN; program 0 stores the sum at
-    sum_ptr); with ADD_OUT, res_ptr's rows are added to the output."""
+    """One row of x: BLOCK_N output columns per program over the whole K, unrolled in CHUNKS
+    of BLOCK_K so every weight load is independent of the arithmetic and can be in flight at
+    once. With SILU, column j combines weight rows j (gate) and n_out + j (up). With NORM the
+    row is normalised first, by every program (after adding res_ptr's row with ADD_IN;
+    program 0 stores the sum at sum_ptr); with ADD_OUT, res_ptr's row is added to the
+    output."""
     stored = tl.where(tl.program_id(0) == 0, K, 0)  # the columns this program stores of a sum
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
-    rows = tl.arange(0, M_P2)
     k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     # the first chunk of weights, which no kernel writes, is read while the one before drains
@@ -127,23 +221,20 @@ def _gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    out_ok = (rows[:, None] < M) & col_ok[None, :]
     if ADD_OUT:  # loaded now, so its latency hides behind the weights'
-        r_out = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=out_ok, other=0.0)
-    rstd = tl.zeros([M_P2], tl.float32)
-    if NORM:  # a pass over the input rows (from L2) for their norms
-        for m in tl.static_range(M):
-            squares = tl.zeros([BLOCK_K], tl.float32)
-            for c in tl.static_range(CHUNKS):
-                kk = c * BLOCK_K + k
-                xm = _input_chunk(x_ptr, res_ptr, m, kk, K, stride_xm, stride_rm, ADD_IN)
-                if ADD_IN:
-                    tl.store(sum_ptr + m * stride_sm + kk, xm, mask=kk < stored)
-                xm = xm.to(tl.float32)
-                squares += xm * xm
-            rstd = tl.where(rows == m, tl.rsqrt(tl.sum(squares, axis=0) / K + eps), rstd)
-    gate = tl.zeros([M_P2, BLOCK_N], tl.float32)
-    up = tl.zeros([M_P2, BLOCK_N], tl.float32)
+        r_out = tl.load(res_ptr + cols[None, :], mask=col_ok[None, :], other=0.0)
+    if NORM:  # a pass over the input row (from L2) for its norm
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for c in tl.static_range(CHUNKS):
+            kk = c * BLOCK_K + k
+            xc = _input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN)
+            if ADD_IN:
+                tl.store(sum_ptr + kk, xc, mask=kk < stored)
+            xc = xc.to(tl.float32)
+            squares += xc * xc
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    gate = tl.zeros([1, BLOCK_N], tl.float32)
+    up = tl.zeros([1, BLOCK_N], tl.float32)
     for c in tl.static_range(CHUNKS):
         kk = c * BLOCK_K + k
         ok = col_ok[:, None] & (kk < K)[None, :]
@@ -154,37 +245,124 @@ def _gemv_kernel(
             if SILU:
                 u = tl.load(w_rows + n_out * stride_wn + kk[None, :], mask=ok, other=0.0)
                 u = u.to(tl.float32)
-        if NORM:
+        xc = _input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN).to(tl.float32)
+        if NORM:  # rounded as the unfused norm stores its output
             g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        for m in tl.static_range(M):
-            xm = _input_chunk(x_ptr, res_ptr, m, kk, K, stride_xm, stride_rm, ADD_IN)
-            xm = xm.to(tl.float32)
-            if NORM:  # rounded as the unfused norm stores its output
-                r_m = tl.sum(tl.where(rows == m, rstd, 0.0), axis=0)
-                xm = (xm * r_m * g).to(x_ptr.dtype.element_ty).to(tl.float32)
-            row = rows[:, None] == m
-            gate = tl.where(row, gate + tl.sum(w * xm[None, :], axis=1)[None, :], gate)
-            if SILU:
-                up = tl.where(row, up + tl.sum(u * xm[None, :], axis=1)[None, :], up)
-    if HAS_BIAS:
-        gate += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            xc = (xc * rstd * g).to(x_ptr.dtype.element_ty).to(tl.float32)
+        gate += tl.sum(w * xc[None, :], axis=1)[None, :]
         if SILU:
-            up += tl.load(bias_ptr + n_out + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    y = gate
-    if SILU:
-        # rounded to the output dtype first, as the unfused projection stores it
-        g = gate.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = g * tl.sigmoid(g) * up.to(y_ptr.dtype.element_ty).to(tl.float32)
+            up += tl.sum(u * xc[None, :], axis=1)[None, :]
+    y = _activate(gate, up, cols[None, :], col_ok[None, :], bias_ptr, y_ptr, n_out, HAS_BIAS, SILU)
+    if ADD_OUT:  # the projection rounds as stored, then the residual add rounds again
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r_out.to(tl.float32)
+    tl.store(y_ptr + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@jit
+def _dot(x, w, acc, F32_DOT: tl.constexpr):
+    """acc + x @ w.T; F32_DOT: in float32 (float32 models; the interpreter, whose bfloat16
+    dot is wrong)."""
+    if F32_DOT:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@jit(do_not_specialize=["M"])  # one compiled kernel serves every batch of the same padding
+def _gemv_dot_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, part_ptr, sem_ptr, M, n_out, K,
+    eps, span, stride_xm, stride_wn, stride_ym, stride_rm, stride_sm, stride_pm,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr,
+    ADD_OUT: tl.constexpr, F32_DOT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """ROWS rows of x (from program_id(2) * ROWS; rows from M on masked to 0) times BLOCK_N
+    weight rows (program_id(0)) over `span` columns of K (program_id(1) of SPLIT): tl.dot of
+    x's [ROWS, BLOCK_K] chunks with the weight tiles, transposed, in a pipelined loop; with
+    SILU a second product with the up rows n_out + cols. NORM: each chunk of x (after adding
+    res_ptr's with ADD_IN; the programs of column tile 0 store that sum at sum_ptr) times the
+    norm weight goes into the product, its squares are summed beside it, and the rows' 1/rms
+    scales the products at the end. With ADD_OUT, res_ptr's rows are added to the output.
+    EVEN: no masks on the weights.
+
+    SPLIT > 1: each program stores its fp32 partials in part_ptr [SPLIT, M, stride_pm] (the
+    products at their weight rows' columns, then with NORM the sums of squares of tile t at
+    column N + t) and counts itself in sem_ptr; the last of a tile's programs sums them and
+    finishes the tile (kernels/small_batch.py)."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_out
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < M
+    k = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    r_rows = res_ptr + rows[:, None] * stride_rm
+    if PDL:  # the pipelined loop issues its first loads before the loop: all after this
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if ADD_OUT:  # loaded now, so its latency hides behind the weights'
+        r_out = tl.load(r_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    gate = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    up = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    squares = tl.zeros([ROWS, BLOCK_K], tl.float32)  # summed once, after the last chunk
+    k_lo = split * span
+    for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
+        kk = k0 + k
+        x_ok = row_ok[:, None] if EVEN else row_ok[:, None] & (kk < K)[None, :]
+        xc = _input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
+        if ADD_IN:
+            stored = tl.where(tile == 0, x_ok, False)  # (the interpreter's & gives integers)
+            tl.store(sum_ptr + rows[:, None] * stride_sm + kk[None, :], xc, mask=stored)
+        if NORM:
+            xf = xc.to(tl.float32)
+            squares += xf * xf
+            g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            xc = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
+        gate = _dot(xc, load_weights(w_rows, kk, col_ok, K, EVEN), gate, F32_DOT)
+        if SILU:
+            u = load_weights(w_rows + n_out * stride_wn, kk, col_ok, K, EVEN)
+            up = _dot(xc, u, up, F32_DOT)
+    squares_sum = tl.sum(squares, axis=1)
+    if SPLIT > 1:
+        ok = row_ok[:, None] & col_ok[None, :]
+        step = M * stride_pm  # from one split's partials to the next
+        parts = part_ptr + rows[:, None] * stride_pm + cols[None, :]
+        squares_parts = part_ptr + rows * stride_pm + tile + (2 * n_out if SILU else n_out)
+        tl.store(parts + split * step, gate, mask=ok)
+        if SILU:
+            tl.store(parts + n_out + split * step, up, mask=ok)
+        if NORM:
+            tl.store(squares_parts + split * step, squares_sum, mask=row_ok)
+        sem = sem_ptr + tl.program_id(2) * tl.num_programs(0) + tile
+        last = arrive(sem, SPLIT)
+        row_ok = tl.where(last, row_ok, False)
+        ok = tl.where(last, ok, False)
+        gate = gather(parts, step, ok, SPLIT)
+        if SILU:
+            up = gather(parts + n_out, step, ok, SPLIT)
+        if NORM:
+            squares_sum = gather(squares_parts, step, row_ok, SPLIT)
+        tl.store(sem, 0, mask=last)
+    if NORM:
+        rstd = tl.rsqrt(squares_sum / K + eps)[:, None]
+        gate *= rstd
+        up *= rstd
+    y = _activate(gate, up, cols[None, :], col_ok[None, :], bias_ptr, y_ptr, n_out, HAS_BIAS,
+                  SILU)  # fmt: skip
     if ADD_OUT:  # the projection rounds as stored, then the residual add rounds again
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r_out.to(tl.float32)
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-_launches: dict[tuple, Launch] = {}  # per shape: eager calls skip Triton's Python launch path
+# per shape and configuration: eager calls skip Triton's Python launch path
+_launches: dict[tuple, tuple[Launch, GemvConfig]] = {}
 
 
-def _gemv_triton(x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None):
+def _gemv_triton(
+    x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None,
+    config=None,
+):  # fmt: skip
     """-> (y, the input stream: x + residual when normed with a residual, else x)."""
     m, k = x.shape
     n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
@@ -199,47 +377,78 @@ def _gemv_triton(x, weight, bias, silu_and_mul, residual=None, norm_weight=None,
     assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
     stride_r = 0 if res is None else res.stride(0)
     key = (x.device, x.dtype, m, k, n_out, x.stride(0), weight.stride(0), bias is not None,
-           silu_and_mul, norm, add_in, add is not None, stride_r, stream.stride(0), eps,
+           silu_and_mul, norm, add_in, add is not None, stride_r, stream.stride(0), eps, config,
            interpreting())  # fmt: skip
-    launch = _launches.get(key)
-    if launch is None:
-        launch = _launches[key] = _launch(
-            m, k, n_out, x.stride(0), weight.stride(0), stride_r, stream.stride(0), eps, bias,
-            silu_and_mul, norm, add_in, add is not None,
-        )  # fmt: skip
-    launch(
-        x, weight, x if bias is None else bias, y, x if res is None else res, stream,
-        x if norm_weight is None else norm_weight,
-    )  # fmt: skip
+    entry = _launches.get(key)
+    if entry is None:
+        config = config or gemv_config(m, n_out, k, x.element_size(), num_sms(x.device, 4))
+        flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
+                     ADD_OUT=add is not None)  # fmt: skip
+        strides = (x.stride(0), weight.stride(0), stride_r, stream.stride(0))
+        if config.rows == 1:
+            launch = _row_launch(m, k, n_out, eps, strides, flags, config)
+        else:
+            launch = _dot_launch(m, k, n_out, eps, strides, flags, config, x.dtype)
+        entry = _launches[key] = (launch, config)
+    launch, config = entry
+    head = (x, weight, x if bias is None else bias, y, x if res is None else res, stream,
+            x if norm_weight is None else norm_weight)  # fmt: skip
+    if config.rows == 1:
+        launch(*head)
+        return y, stream
+    part = sem = x  # unused without a split
+    if config.split > 1:
+        part = torch.empty(config.split, m, _part_width(n_out, norm, silu_and_mul, config),
+                           dtype=torch.float32, device=x.device)  # fmt: skip
+        sem = split_counts(x.device, "GEMV")
+    launch(*head, part, sem)
     return y, stream
 
 
-def _launch(
-    m, k, n_out, stride_x, stride_w, stride_r, stride_s, eps, bias, silu_and_mul, norm, add_in,
-    add_out,
-) -> Launch:  # fmt: skip
-    block_k = min(512, triton.next_power_of_2(k))
-    # few columns per program, so the grid has enough programs; at most 16 rows per program
-    block_n = max(1, min(16, triton.next_power_of_2(n_out) // _PROGRAMS))
+def _part_width(n_out: int, norm: bool, silu: bool, config: GemvConfig) -> int:
+    """Columns of a split's partials: one per weight row, then with a norm one per tile."""
+    return n_out * (2 if silu else 1) + (triton.cdiv(n_out, config.block_n) if norm else 0)
+
+
+def _row_launch(m, k, n_out, eps, strides, flags, config: GemvConfig) -> Launch:
+    assert m == 1 and config.split == 1 and config.span % config.block_k == 0
     pdl = pdl_options()
     return Launch(
-        _gemv_kernel,
-        (triton.cdiv(n_out, block_n), 1, 1),
+        _gemv_row_kernel,
+        (triton.cdiv(n_out, config.block_n), 1, 1),
         num_head=7,  # x, weight, bias, y, residual, stream, norm weight
-        tail=(n_out, k, eps, stride_x, stride_w, n_out, stride_r, stride_s),
+        tail=(n_out, k, eps, strides[1]),
         constexprs=dict(
-            M=m,
-            M_P2=triton.next_power_of_2(m),
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            CHUNKS=triton.cdiv(k, block_k),
-            HAS_BIAS=bias is not None,
-            SILU=silu_and_mul,
-            NORM=norm,
-            ADD_IN=add_in,
-            ADD_OUT=add_out,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            CHUNKS=config.span // config.block_k,
+            **flags,
             PDL=pdl["PDL"],
-        ),  # fmt: skip
-        num_warps=4,
+        ),
+        num_warps=config.num_warps,
+        launch_pdl=pdl["launch_pdl"],
+    )
+
+
+def _dot_launch(m, k, n_out, eps, strides, flags, config: GemvConfig, dtype) -> Launch:
+    stride_p = _part_width(n_out, flags["NORM"], flags["SILU"], config)
+    pdl = pdl_options()
+    return Launch(
+        _gemv_dot_kernel,
+        (triton.cdiv(n_out, config.block_n), config.split, triton.cdiv(m, config.rows)),
+        num_head=9,  # x, weight, bias, y, residual, stream, norm weight, partials, counts
+        tail=(m, n_out, k, eps, config.span, *strides[:2], n_out, *strides[2:], stride_p),
+        constexprs=dict(
+            ROWS=config.rows,
+            BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k,
+            SPLIT=config.split,
+            **flags,
+            F32_DOT=dtype == torch.float32 or interpreting(),
+            EVEN=n_out % config.block_n == 0 and k % config.block_k == 0,
+            PDL=pdl["PDL"],
+        ),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
         launch_pdl=pdl["launch_pdl"],
     )

@@ -13,7 +13,7 @@ from ostinato.kernels import (
     rope_and_store,
     silu_and_mul,
 )
-from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
+from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays, rows_pay
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 pytestmark = pytest.mark.gpu
@@ -90,17 +90,18 @@ def test_silu_and_mul_bf16():
     assert_rel(silu_and_mul(x), torch.nn.functional.silu(gate) * up)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 17, 32])
 @pytest.mark.parametrize(
     "n, k, silu",
     [
         *[(4096, 1024, False), (1024, 2048, False), (6144, 1024, True), (1024, 3072, False)],
-        *[(6144, 4096, False), (4096, 4096, False)],
+        *[(6144, 4096, False), (4096, 4096, False), (28672, 4096, True), (4096, 14336, False)],
     ],
-)  # qwen3-0.6b's qkv, o, gate|up (+ SiLU), down; llama-3.1-8b's qkv, o
+)  # qwen3-0.6b's qkv, o, gate|up (+ SiLU), down; llama-3.1-8b's
 def test_gemv_bf16_in_a_graph(rows, n, k, silu):
-    """Against float64 at several row counts (Linear takes it for one row), and replays of the
-    kernel captured in a CUDA graph with new inputs equal fresh launches."""
+    """Against float64 at 1 row (FMAs) and 2-32 (tl.dot, K split for the narrow weights), and
+    replays of the kernel captured in a CUDA graph with new inputs equal fresh launches (a
+    split's sum is the same on every run)."""
     x = torch.randn(rows, k, device="cuda", dtype=BF16)
     weight = torch.randn(n, k, device="cuda", dtype=BF16) * 0.03
     expected = x.double() @ weight.double().T
@@ -108,7 +109,7 @@ def test_gemv_bf16_in_a_graph(rows, n, k, silu):
         gate, up = expected.chunk(2, dim=-1)
         expected = torch.nn.functional.silu(gate) * up
     assert_rel(gemv(x, weight, silu_and_mul=silu), expected)
-    assert gemv_pays(x, weight) == (rows == 1)
+    assert gemv_pays(x, weight) == rows_pay(rows, n, k)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gemv(x, weight, silu_and_mul=silu)
@@ -122,15 +123,16 @@ def silu_64(y):
     return torch.nn.functional.silu(gate) * up
 
 
+@pytest.mark.parametrize("rows", [1, 2, 32])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize(
     "n, k, silu", [(4096, 1024, False), (6144, 1024, True), (6144, 4096, False)]
 )
-def test_gemv_normed_bf16_in_a_graph(n, k, silu, with_residual):
+def test_gemv_normed_bf16_in_a_graph(n, k, silu, with_residual, rows):
     """The norm prologue (after the residual add) against float64 at qwen3-0.6b / llama-8b
     shapes; replays of the captured kernel with new inputs equal fresh launches."""
-    x = torch.randn(1, k, device="cuda", dtype=BF16)
-    residual = torch.randn(1, k, device="cuda", dtype=BF16) if with_residual else None
+    x = torch.randn(rows, k, device="cuda", dtype=BF16)
+    residual = torch.randn(rows, k, device="cuda", dtype=BF16) if with_residual else None
     norm_w = torch.rand(k, device="cuda", dtype=BF16) + 0.5
     weight = torch.randn(n, k, device="cuda", dtype=BF16) * 0.03
     s = x.double() + (residual.double() if with_residual else 0)
@@ -151,13 +153,14 @@ def test_gemv_normed_bf16_in_a_graph(n, k, silu, with_residual):
     torch.testing.assert_close(stream, fresh_stream, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 32])
 @pytest.mark.parametrize(
     "n, k, silu", [(1024, 2048, False), (4096, 4096, False), (2048, 1024, True)]
 )
-def test_gemv_residual_epilogue_bf16(n, k, silu):
-    x = torch.randn(1, k, device="cuda", dtype=BF16)
+def test_gemv_residual_epilogue_bf16(n, k, silu, rows):
+    x = torch.randn(rows, k, device="cuda", dtype=BF16)
     weight = torch.randn(n, k, device="cuda", dtype=BF16) * 0.03
-    add = torch.randn(1, n // 2 if silu else n, device="cuda", dtype=BF16)
+    add = torch.randn(rows, n // 2 if silu else n, device="cuda", dtype=BF16)
     y = x.double() @ weight.double().T
     assert_rel(
         gemv(x, weight, silu_and_mul=silu, add=add), (silu_64(y) if silu else y) + add.double()

@@ -1,0 +1,180 @@
+"""The small-batch projection kernel (kernels/gemv.py) under TRITON_INTERPRET=1: one row by
+FMAs, 2 rows and more by tl.dot (K split over programs where the interpreter's 4 SMs ask for it),
+with every fusion, against float64 math written here; and the row limits the engine follows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ostinato.kernels import gemv as gemv_module
+from ostinato.kernels.gemv import (
+    dot_config,
+    gemv,
+    gemv_config,
+    gemv_normed,
+    gemv_normed_torch,
+    gemv_pays,
+    gemv_torch,
+    rows_pay,
+)
+from ostinato.kernels.small_batch import GemvConfig
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+
+
+def close(actual, expected, dtype, scale=1.0):
+    tol = TOL[dtype] * scale
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
+
+
+def silu_64(y):
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def normed_64(s, norm_w, eps=1e-6):
+    return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * norm_w.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 32])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(rows, silu, bias, dtype):
+    """x @ W.T (+ bias), and with silu the merged gate|up projection's silu(gate) * up, over
+    a K that is no multiple of any chunk (the tl.dot rows split it in four) and an N no
+    multiple of the columns per program; x a view with a row stride of its own."""
+    k, n = 1100, 2 * 37
+    x = torch.randn(rows, k + 3)[:, :k].to(dtype)
+    weight = (torch.randn(n, k) * 0.05).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype) if bias else None
+    out = gemv(x, weight, b, silu_and_mul=silu)
+    assert out.shape == (rows, n // 2 if silu else n)
+    y = x.double() @ weight.double().T + (b.double() if bias else 0)
+    close(out, silu_64(y) if silu else y, dtype, scale=5)
+    close(out, gemv_torch(x, weight, b, silu), dtype, scale=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 17, 32])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_normed_is_norm_then_projection(rows, silu, with_residual, dtype):
+    """The norm prologue (after the residual add when given) against the unfused sequence in
+    float64: s = x + residual, y = rms_norm(s) @ W.T + b (then silu); the stream s comes back
+    as a new tensor, x and residual untouched. K = 1100 spans three 512-wide chunks of one
+    row, and four splits of the tl.dot rows (whose sums of squares are split with them)."""
+    k, n = 1100, 2 * 37
+    x = torch.randn(rows, k).to(dtype)
+    residual = torch.randn(rows, k).to(dtype) if with_residual else None
+    norm_w = (torch.rand(k) + 0.5).to(dtype)
+    weight = (torch.randn(n, k) * 0.05).to(dtype)
+    b = (torch.randn(n) * 0.1).to(dtype)
+    x_before = x.clone()
+    out, stream = gemv_normed(x, residual, norm_w, 1e-6, weight, b, silu)
+    assert torch.equal(x, x_before)
+    s = x.double() + (residual.double() if with_residual else 0)
+    if with_residual:
+        assert stream.data_ptr() not in (x.data_ptr(), residual.data_ptr())
+        close(stream, s, dtype)
+    else:
+        assert stream is x
+    y = normed_64(s, norm_w) @ weight.double().T + b.double()
+    y = silu_64(y) if silu else y
+    assert out.shape == y.shape
+    close(out, y, dtype, scale=5)
+    expected, _ = gemv_normed_torch(x, residual, norm_w, 1e-6, weight, b, silu)
+    close(out, expected, dtype, scale=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 32])
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_adds_the_residual_in_its_epilogue(rows, silu, dtype):
+    """y = x @ W.T (+ silu) + residual into a new tensor, the residual only read; odd K and N
+    (K = 333: one split)."""
+    k, n = 333, 2 * 19
+    x = torch.randn(rows, k).to(dtype)
+    weight = (torch.randn(n, k) * 0.05).to(dtype)
+    residual = torch.randn(rows, n // 2 if silu else n).to(dtype)
+    before = residual.clone()
+    out = gemv(x, weight, silu_and_mul=silu, add=residual)
+    assert torch.equal(residual, before) and out.data_ptr() != residual.data_ptr()
+    y = x.double() @ weight.double().T
+    close(out, (silu_64(y) if silu else y) + residual.double(), dtype, scale=5)
+    close(out, gemv_torch(x, weight, None, silu, add=residual), dtype, scale=2)
+
+
+@pytest.mark.parametrize(
+    "rows, n_out, k, config",
+    [
+        (3, 45, 300, GemvConfig(16, 16, 32, 96, 4, 4, 4)),  # split in four, edges masked
+        (20, 45, 300, GemvConfig(16, 16, 32, 320, 1, 4, 4)),  # two row blocks, no split
+        (20, 48, 256, GemvConfig(16, 16, 32, 64, 4, 4, 4)),  # both; every tile whole (EVEN)
+        (40, 32, 96, GemvConfig(32, 16, 32, 32, 3, 4, 4)),  # two blocks of 32 rows, 3 splits
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_dot_configurations_with_every_fusion(rows, n_out, k, config, dtype):
+    """The tl.dot kernel in configurations a benchmark may ask for, all fusions at once: the
+    fused add + norm with a bias and SiLU-and-mul (the stream stored over every split and row
+    block), then a residual epilogue; twice, so the split counts are back at 0 after a call."""
+    x = torch.randn(rows, k).to(dtype)
+    residual = torch.randn(rows, k).to(dtype)
+    norm_w = (torch.rand(k) + 0.5).to(dtype)
+    gate_up = (torch.randn(2 * n_out, k) * 0.05).to(dtype)
+    b = (torch.randn(2 * n_out) * 0.1).to(dtype)
+    down = (torch.randn(n_out, n_out) * 0.1).to(dtype)
+    add = torch.randn(rows, n_out).to(dtype)
+    s = x.double() + residual.double()
+    act_64 = silu_64(normed_64(s, norm_w) @ gate_up.double().T + b.double())
+    for _ in range(2):
+        act, stream = gemv_normed(x, residual, norm_w, 1e-6, gate_up, b, True, config=config)
+        close(stream, s, dtype)
+        close(act, act_64, dtype, scale=5)
+        out = gemv(act, down, add=add, config=config)
+        close(out, act.double() @ down.double().T + add.double(), dtype, scale=5)
+
+
+def test_gemv_config_splits_narrow_weights_only():
+    """One row: FMAs over the whole K. More: tl.dot on 16 or 32 padded rows, K split where
+    the weight's column tiles are too few for the SMs, in whole chunks covering K once."""
+    one = gemv_config(1, 4096, 1024, 2, 132)
+    assert one.rows == 1 and one.split == 1 and one.span == 1024
+    for m, rows in ((2, 16), (16, 16), (17, 32), (32, 32)):
+        assert gemv_config(m, 4096, 1024, 2, 132).rows == rows
+    wide = gemv_config(8, 14336, 4096, 2, 132)  # llama-3.1-8b gate|up: 224 tiles of 64
+    assert wide.split == 1 and wide.span == 4096
+    narrow = gemv_config(8, 1024, 3072, 2, 132)  # qwen3-0.6b down: 16 tiles
+    assert narrow.split > 1 and narrow.span % narrow.block_k == 0
+    assert (narrow.split - 1) * narrow.span < 3072 <= narrow.split * narrow.span
+    qkv = gemv_config(8, 6144, 4096, 2, 132)  # llama-3.1-8b: 96 tiles of 64 rows, 48 of 128
+    assert dot_config(8, 6144, 4096, 128, 64, 2, 132).split > qkv.split > 1
+    assert gemv_config(8, 1024, 3072, 4, 132).num_stages < narrow.num_stages  # float32
+
+
+def test_engine_takes_the_kernel_up_to_the_row_limits(monkeypatch):
+    """rows_pay follows ROW_LIMITS: the first entry holding the weight's size gives its rows,
+    a weight larger than every entry takes none; one row only up to MAX_K columns and
+    MAX_WEIGHT_ELEMENTS."""
+    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 20, 32), (1 << 24, 4)))
+    assert rows_pay(32, 1024, 1024) and not rows_pay(33, 1024, 1024)
+    assert rows_pay(4, 1024, 2048) and not rows_pay(5, 1024, 2048)
+    assert not rows_pay(1, 4096, 8192)  # over every entry
+    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 30, 8),))
+    assert rows_pay(2, 1024, 8192) and not rows_pay(1, 1024, 8192)  # MAX_K: one row only
+    assert rows_pay(1, 8192, 4096) and not rows_pay(1, 8193, 4096)  # MAX_WEIGHT_ELEMENTS
+    assert rows_pay(8, 8193, 4096)
+    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ())
+    assert not rows_pay(1, 64, 64)
+
+
+def test_gemv_is_for_cuda_tensors_only():
+    w = torch.randn(32, 64)
+    assert not gemv_pays(torch.randn(1, 64), w)  # CPU tensors keep F.linear
