@@ -47,14 +47,14 @@ from ostinato.kernels.small_batch import (
 
 # The most rows of x that take the kernel, by weight size: entries (weight elements at most,
 # rows at most) by increasing size, the first that holds the weight decides; a weight larger
-# than every entry takes cuBLAS. 2-16 rows (tl.dot), from `bench_kernels.py --sections
-# gemv-rows` on the H100 (benchmarks/h100-2026-11-25-s18.md): with their fusions, weights of
-# up to 3M elements (qwen3-0.6b's o and down) beat cuBLAS and the separate kernels by 1.14-1.32x;
-# larger ones (its qkv and gate|up, every llama-3.1-8b projection) lost (0.77-0.99x), and at 32
-# rows every one lost. One row (FMAs) beat cuBLAS (benchmarks/perf-h100.md) by 1.06-1.35x for
-# weights of 4-50 MB with K up to 4096, and lost at K = 8192 (0.95x): it also needs MAX_K and
-# MAX_WEIGHT_ELEMENTS.
-ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 16), (32 << 20, 1))
+# than every entry takes cuBLAS. 2-32 rows (tl.dot) stay off: on the H100 (`bench_kernels.py
+# --sections gemv-rows`, benchmarks/h100-2026-11-25-s18.md) they beat cuBLAS and the separate
+# kernels only for qwen3-0.6b's o and down at 2-16 rows (1.14-1.32x) and lost elsewhere
+# (0.77-0.99x, every projection at 32 rows), and with them on, the bf16 HF oracle failed on the
+# Llama test model (the dot path scales by 1/rms after the product, not before). One row (FMAs)
+# beat cuBLAS (benchmarks/perf-h100.md) by 1.06-1.35x for weights of 4-50 MB with K up to
+# 4096, and lost at K = 8192 (0.95x): it also needs MAX_K and MAX_WEIGHT_ELEMENTS.
+ROW_LIMITS: tuple[tuple[int, int], ...] = ((32 << 20, 1),)
 MAX_K = 4096
 MAX_WEIGHT_ELEMENTS = 32 << 20
 DOT_ROWS = 2  # from here the rows go through tl.dot
