@@ -335,3 +335,13 @@ class FakeEngine:
 
     def graph_report(self) -> dict:
         return {}
+
+
+# Kernel tests' tolerance per dtype, against float64 math written in the test.
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """actual equals expected (float64) within dtype's kernel tolerance, times scale."""
+    tol = KERNEL_TOL[dtype] * scale
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)

@@ -5,6 +5,7 @@ with every fusion, against float64 math written here; and the row limits the eng
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import close
 
 from ostinato.kernels import gemv as gemv_module
 from ostinato.kernels.gemv import (
@@ -19,18 +20,11 @@ from ostinato.kernels.gemv import (
 )
 from ostinato.kernels.small_batch import GemvConfig
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
-
-
-def close(actual, expected, dtype, scale=1.0):
-    tol = TOL[dtype] * scale
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
 
 
 def silu_64(y):

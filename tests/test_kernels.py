@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 import triton.language as tl
+from helpers import close
 from triton.runtime.jit import JITFunction
 
 from ostinato.kernels import (
@@ -26,18 +27,12 @@ attention_module = importlib.import_module("ostinato.kernels.paged_attention")
 paged_attention = attention_module.paged_attention
 
 NAN = float("nan")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     torch.manual_seed(0)
-
-
-def close(actual, expected, dtype, scale=1.0):
-    tol = TOL[dtype] * scale
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
 
 
 def test_cpu_tensors_take_the_torch_path_without_the_interpreter(monkeypatch):
