@@ -23,6 +23,8 @@
 #                                           # prefill step's kernels and host profile
 #   bash benchmarks/gpu_session.sh triage   # a session's first look: kernel/prefill tests, prefill
 #                                           # and decode per mode, constrained decode's host profile
+#   bash benchmarks/gpu_session.sh rows [TREE]   # GEMV 2-16 rows: tests, oracle, decode A/B
+#   bash benchmarks/gpu_session.sh tail M...     # kernels of whole decode steps, tail included
 #   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
 #   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
@@ -63,6 +65,34 @@ triage)  # a session's first call (~6 min): the kernel and prefill GPU tests, pr
       "$OUT/structured-$so.prof" > "$OUT/structured-$so.txt"
   done
   grep -v "it/s\]" "$OUT/triage.err" | grep -iE "error|traceback" | tail -n 15
+  ;;
+rows)  # [BASELINE_TREE] issue 18 (~4 min): the small-batch projection kernel at 2-16 rows: its
+  # GPU tests (the baseline tree's kernel under the new tests too, to see them fail), the HF
+  # oracle and every graph mode against eager, then decode at batch 1-32 with one row vs the
+  # rows ROW_LIMITS admits, twice in one process (the repeat is the control)
+  info | tee "$OUT/env.txt"
+  if [ -n "${2:-}" ]; then
+    (cd "$2" && timeout 100 python3 -m pytest "$OLDPWD/tests/gpu/test_kernels.py" -k norm_rounds \
+      -q -p no:cacheprovider -o addopts="" --rootdir . 2>&1 | tail -n 8) | tee "$OUT/baseline-tests.log"
+  fi
+  timeout 420 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -q \
+    -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/rows-tests.log" | tail -n 15
+  for rep in 1 2; do
+    for rows in 1 16; do
+      timeout 120 python3 benchmarks/profile_step.py --model random:qwen3-0.6b \
+        --modes full_and_piecewise --batch-sizes 1,2,4,8,16,32 --sections decode --steps 64 \
+        --gemv-rows $rows --label "rows$rows-rep$rep" --json "$OUT/decode-rows.jsonl" \
+        2>>"$OUT/rows.err" | grep -v '^{'
+    done
+  done
+  ;;
+tail)  # MODEL... (~2 min each): the kernels of whole decode steps (forward, LM head, sampling)
+  # at batch 1 and 32, full_and_piecewise: where a step's device time goes, tail included
+  for model in "${@:2}"; do
+    timeout 240 python3 benchmarks/profile_step.py --model "$model" --modes full_and_piecewise \
+      --batch-sizes 1,32 --sections kernels,step-kernels --label tail \
+      --json "$OUT/tail.jsonl" 2>>"$OUT/tail.err" | grep -v '^{'
+  done
   ;;
 verify-tests)  # every GPU test in one run (about 9 minutes on an H100), the log whole
   info | tee "$OUT/env.txt"

@@ -188,6 +188,31 @@ def kernels(engine: LLMEngine, batch: int) -> dict:
     }
 
 
+def step_kernels(engine: LLMEngine, batch: int, steps: int = 8) -> dict:
+    """Kernels of whole decode steps (engine.step(): the forward, the LM head, sampling and the
+    copies around them), by name, per step: what `kernels` leaves out, the step's tail."""
+    start_decoding(engine, batch, steps + 20)
+    for _ in range(3):
+        engine.step()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    names: Counter[str] = Counter()
+    device_us: Counter[str] = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            names[e.name[:60]] += 1
+            device_us[e.name[:60]] += e.device_time
+    finish(engine)
+    return {
+        "kernels_per_step": sum(names.values()) / steps,
+        "device_ms_per_step": sum(device_us.values()) / steps / 1e3,
+        "by_name": {n: [c / steps, round(device_us[n] / steps, 1)] for n, c in names.most_common()},
+    }
+
+
 def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
     """One prompt of each length run alone (one output token, no prefix cache): the step's
     wall time against its kernels' device time, which kernels that is, and their count (the
@@ -339,7 +364,8 @@ def main() -> None:
     parser.add_argument(
         "--sections",
         default="decode,phases,kernels,pieces,mixed",
-        help="also: host (cProfile of decode steps), prefill (one prompt's kernels)",
+        help="also: host (cProfile of decode steps), prefill (one prompt's kernels), "
+        "step-kernels (the kernels of whole decode steps: forward, LM head, sampling)",
     )
     parser.add_argument("--label", default="", help="a tag for this tree, e.g. a commit")
     parser.add_argument("--prefill-lengths", default="512,2048,8192", help="prefill section")
@@ -399,6 +425,8 @@ def main() -> None:
                 emit(mode=mode, batch=batch, section="phases", **phases(engine, batch, 20))
             if "kernels" in sections and mode != "none":
                 emit(mode=mode, batch=batch, section="kernels", **kernels(engine, batch))
+            if "step-kernels" in sections:
+                emit(mode=mode, batch=batch, section="step-kernels", **step_kernels(engine, batch))
             if "host" in sections:
                 emit(mode=mode, batch=batch, section="host", **host_profile(engine, batch, 20))
             if "pieces" in sections and mode == "piecewise":
@@ -426,6 +454,11 @@ def print_table(rows: list[dict]) -> None:
             print(f"kernels of one {row['mode']} decode step ({row['label']}), count, device µs:")
             for name, (count, us) in list(row["by_name"].items())[:14]:
                 print(f"  {count:5d} {us:9.1f}  {name}")
+        if row["section"] == "step-kernels":
+            print(f"kernels of a whole {row['mode']} decode step, batch {row['batch']}, per step,")
+            print("count, device µs:")
+            for name, (count, us) in list(row["by_name"].items())[:24]:
+                print(f"  {count:5.1f} {us:9.1f}  {name}")
         if row["section"] == "prefill":
             print(f"kernels of a {row['tokens']}-token prefill ({row['mode']}), count, device µs:")
             for name, (count, us) in row["top"].items():

@@ -16,9 +16,8 @@ a sum (_gemv_row_kernel). From DOT_ROWS rows: tl.dot on x padded to 16 or 32 row
 cores' smallest tile (_gemv_dot_kernel), K split over programs where the weight has too few
 rows to fill the GPU (kernels/small_batch.py, as the FP8 kernel does).
 Every fused step rounds to the tensor dtype where the unfused kernels store, so both paths
-give the same values, but for one step of tl.dot's norm: the row's 1/rms scales the product
-rather than the input (its sum of squares is taken in the same pass over x as the product), so
-the input rounds once as x * norm weight instead of as x / rms * norm weight.
+give the same values: with a norm, each program first takes its rows' 1/rms in a pass over the
+whole input row (from L2), then normalises each chunk as the unfused norm stores it.
 """
 
 import torch
@@ -47,14 +46,14 @@ from ostinato.kernels.small_batch import (
 
 # The most rows of x that take the kernel, by weight size: entries (weight elements at most,
 # rows at most) by increasing size, the first that holds the weight decides; a weight larger
-# than every entry takes cuBLAS. 2-32 rows (tl.dot) stay off: on the H100 (`bench_kernels.py
-# --sections gemv-rows`, benchmarks/h100-2026-11-25-s18.md) they beat cuBLAS and the separate
-# kernels only for qwen3-0.6b's o and down at 2-16 rows (1.14-1.32x) and lost elsewhere
-# (0.77-0.99x, every projection at 32 rows), and with them on, the bf16 HF oracle failed on the
-# Llama test model (the dot path scales by 1/rms after the product, not before). One row (FMAs)
+# than every entry takes cuBLAS. On the H100 (`bench_kernels.py --sections gemv-rows`,
+# benchmarks/h100-2026-11-25-s18.md) tl.dot beat cuBLAS and the separate kernels at 2-16 rows
+# only for weights of at most 3M elements (qwen3-0.6b's o and down, 1.14-1.32x), and lost for
+# larger ones (0.77-0.99x) and at 32 rows everywhere; in qwen3-0.6b's decode step it took
+# 9-13% off at batch 2-8 and nothing at 16 (benchmarks/h100-2026-11-26-s19.md). One row (FMAs)
 # beat cuBLAS (benchmarks/perf-h100.md) by 1.06-1.35x for weights of 4-50 MB with K up to
 # 4096, and lost at K = 8192 (0.95x): it also needs MAX_K and MAX_WEIGHT_ELEMENTS.
-ROW_LIMITS: tuple[tuple[int, int], ...] = ((32 << 20, 1),)
+ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 8), (32 << 20, 1))
 MAX_K = 4096
 MAX_WEIGHT_ELEMENTS = 32 << 20
 DOT_ROWS = 2  # from here the rows go through tl.dot
@@ -278,16 +277,15 @@ def _gemv_dot_kernel(
     """ROWS rows of x (from program_id(2) * ROWS; rows from M on masked to 0) times BLOCK_N
     weight rows (program_id(0)) over `span` columns of K (program_id(1) of SPLIT): tl.dot of
     x's [ROWS, BLOCK_K] chunks with the weight tiles, transposed, in a pipelined loop; with
-    SILU a second product with the up rows n_out + cols. NORM: each chunk of x (after adding
-    res_ptr's with ADD_IN; the programs of column tile 0 store that sum at sum_ptr) times the
-    norm weight goes into the product, its squares are summed beside it, and the rows' 1/rms
-    scales the products at the end. With ADD_OUT, res_ptr's rows are added to the output.
-    EVEN: no masks on the weights.
+    SILU a second product with the up rows n_out + cols. NORM: x (after adding res_ptr's with
+    ADD_IN; the programs of column tile 0 store that sum at sum_ptr) is normalised chunk by
+    chunk, rounded as the unfused norm stores it, by the rows' 1/rms from a first pass over
+    the whole rows (every split needs all of K for it). With ADD_OUT, res_ptr's rows are added
+    to the output. EVEN: no masks on the weights.
 
     SPLIT > 1: each program stores its fp32 partials in part_ptr [SPLIT, M, stride_pm] (the
-    products at their weight rows' columns, then with NORM the sums of squares of tile t at
-    column N + t) and counts itself in sem_ptr; the last of a tile's programs sums them and
-    finishes the tile (kernels/small_batch.py)."""
+    products at their weight rows' columns) and counts itself in sem_ptr; the last of a tile's
+    programs sums them and finishes the tile (kernels/small_batch.py)."""
     tile, split = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -302,9 +300,17 @@ def _gemv_dot_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if ADD_OUT:  # loaded now, so its latency hides behind the weights'
         r_out = tl.load(r_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if NORM:
+        squares = tl.zeros([ROWS, BLOCK_K], tl.float32)  # summed once, after the last chunk
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            x_ok = row_ok[:, None] if EVEN else row_ok[:, None] & (kk < K)[None, :]
+            xf = _input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
+            xf = xf.to(tl.float32)
+            squares += xf * xf
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
     gate = tl.zeros([ROWS, BLOCK_N], tl.float32)
     up = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    squares = tl.zeros([ROWS, BLOCK_K], tl.float32)  # summed once, after the last chunk
     k_lo = split * span
     for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
         kk = k0 + k
@@ -313,26 +319,20 @@ def _gemv_dot_kernel(
         if ADD_IN:
             stored = tl.where(tile == 0, x_ok, False)  # (the interpreter's & gives integers)
             tl.store(sum_ptr + rows[:, None] * stride_sm + kk[None, :], xc, mask=stored)
-        if NORM:
-            xf = xc.to(tl.float32)
-            squares += xf * xf
+        if NORM:  # rounded as the unfused norm stores its output
             g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            xc = (xf * g[None, :]).to(x_ptr.dtype.element_ty)
+            xc = (xc.to(tl.float32) * rstd * g[None, :]).to(x_ptr.dtype.element_ty)
         gate = _dot(xc, load_weights(w_rows, kk, col_ok, K, EVEN), gate, F32_DOT)
         if SILU:
             u = load_weights(w_rows + n_out * stride_wn, kk, col_ok, K, EVEN)
             up = _dot(xc, u, up, F32_DOT)
-    squares_sum = tl.sum(squares, axis=1)
     if SPLIT > 1:
         ok = row_ok[:, None] & col_ok[None, :]
         step = M * stride_pm  # from one split's partials to the next
         parts = part_ptr + rows[:, None] * stride_pm + cols[None, :]
-        squares_parts = part_ptr + rows * stride_pm + tile + (2 * n_out if SILU else n_out)
         tl.store(parts + split * step, gate, mask=ok)
         if SILU:
             tl.store(parts + n_out + split * step, up, mask=ok)
-        if NORM:
-            tl.store(squares_parts + split * step, squares_sum, mask=row_ok)
         sem = sem_ptr + tl.program_id(2) * tl.num_programs(0) + tile
         last = arrive(sem, SPLIT)
         row_ok = tl.where(last, row_ok, False)
@@ -340,13 +340,7 @@ def _gemv_dot_kernel(
         gate = gather(parts, step, ok, SPLIT)
         if SILU:
             up = gather(parts + n_out, step, ok, SPLIT)
-        if NORM:
-            squares_sum = gather(squares_parts, step, row_ok, SPLIT)
         tl.store(sem, 0, mask=last)
-    if NORM:
-        rstd = tl.rsqrt(squares_sum / K + eps)[:, None]
-        gate *= rstd
-        up *= rstd
     y = _activate(gate, up, cols[None, :], col_ok[None, :], bias_ptr, y_ptr, n_out, HAS_BIAS,
                   SILU)  # fmt: skip
     if ADD_OUT:  # the projection rounds as stored, then the residual add rounds again
@@ -398,16 +392,16 @@ def _gemv_triton(
         return y, stream
     part = sem = x  # unused without a split
     if config.split > 1:
-        part = torch.empty(config.split, m, _part_width(n_out, norm, silu_and_mul, config),
+        part = torch.empty(config.split, m, _part_width(n_out, silu_and_mul),
                            dtype=torch.float32, device=x.device)  # fmt: skip
         sem = split_counts(x.device, "GEMV")
     launch(*head, part, sem)
     return y, stream
 
 
-def _part_width(n_out: int, norm: bool, silu: bool, config: GemvConfig) -> int:
-    """Columns of a split's partials: one per weight row, then with a norm one per tile."""
-    return n_out * (2 if silu else 1) + (triton.cdiv(n_out, config.block_n) if norm else 0)
+def _part_width(n_out: int, silu: bool) -> int:
+    """Columns of a split's partials: one per weight row."""
+    return n_out * (2 if silu else 1)
 
 
 def _row_launch(m, k, n_out, eps, strides, flags, config: GemvConfig) -> Launch:
@@ -431,7 +425,7 @@ def _row_launch(m, k, n_out, eps, strides, flags, config: GemvConfig) -> Launch:
 
 
 def _dot_launch(m, k, n_out, eps, strides, flags, config: GemvConfig, dtype) -> Launch:
-    stride_p = _part_width(n_out, flags["NORM"], flags["SILU"], config)
+    stride_p = _part_width(n_out, flags["SILU"])
     pdl = pdl_options()
     return Launch(
         _gemv_dot_kernel,
