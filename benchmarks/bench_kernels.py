@@ -249,6 +249,33 @@ def sweep_rows(pool: KVPool) -> list[list[str]]:
     return rows
 
 
+def decode_sweep_rows(pool: KVPool) -> list[list[str]]:
+    """Decode at the short contexts of a small model's decode (a 512-token prompt and its
+    first tokens), where the launch more than the KV bytes sets the time: other splits, KV
+    tiles, stages and warps, fastest first."""
+    rows = []
+    for batch in (1, 8, 32):
+        for context in (576, 1088):
+            q_lens, seq_lens = [1] * batch, [context] * batch
+            base = _config_for(q_lens, seq_lens, pool)
+            variants = [base] + [
+                base._replace(**change)
+                for change in (
+                    dict(splits=max(1, base.splits // 2)),
+                    dict(splits=base.splits * 2),
+                    dict(splits=base.splits * 4),
+                    dict(block_n=16),
+                    dict(block_n=64),
+                    dict(block_n=64, splits=base.splits * 2),
+                    dict(num_stages=3),
+                    dict(num_warps=2),
+                )  # fmt: skip
+            ]
+            case = f"decode {batch} x {context}"
+            rows += _time_variants(pool, case, q_lens, seq_lens, variants)
+    return rows
+
+
 def prefill_sweep_rows(pool: KVPool, matmul: float) -> list[list[str]]:
     """Prefill launch configurations (Llama-3.1-8B shape, GQA group 4): tile rows, KV tile,
     warps and pipeline stages, fastest first, each as a fraction of the matmul rate."""
@@ -780,7 +807,8 @@ def main() -> None:
         default="decode,prefill,fused,gemv",
         help="comma-separated: decode, prefill, fused, gemv, gemv-rows (the small-batch "
         "projection kernel at 1-32 rows with its fusions, against cuBLAS and the unfused "
-        "kernels: sets gemv.ROW_LIMITS), sweep (launch configurations), "
+        "kernels: sets gemv.ROW_LIMITS), sweep (launch configurations), decode-sweep (decode "
+        "attention's launch configurations at 576 and 1088 tokens of context), "
         "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
         "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
@@ -791,7 +819,7 @@ def main() -> None:
     chosen = set(args.sections.split(","))
     torch.manual_seed(0)
     copy_bw, matmul = copy_bandwidth(), matmul_flops()
-    attention_sections = {"decode", "prefill", "sweep", "prefill-sweep", "sdpa"}
+    attention_sections = {"decode", "prefill", "sweep", "decode-sweep", "prefill-sweep", "sdpa"}
     pool = KVPool(blocks=128 * 8192 // BLOCK) if chosen & attention_sections else None
     sections = [
         f"# Kernel benchmarks: {torch.cuda.get_device_name()}\n\n"
@@ -959,6 +987,11 @@ def main() -> None:
         sections.append(
             "## Attention launch configurations (µs, fastest first)\n\n"
             + table(["case", "config", "µs"], sweep_rows(pool))
+        )
+    if "decode-sweep" in chosen:
+        sections.append(
+            "## Decode attention launch configurations at short contexts (µs, fastest first)\n\n"
+            + table(["case", "config", "µs"], decode_sweep_rows(pool))
         )
     if "prefill-sweep" in chosen:
         sections.append(

@@ -25,6 +25,7 @@
 #                                           # and decode per mode, constrained decode's host profile
 #   bash benchmarks/gpu_session.sh rows [TREE]   # GEMV 2-16 rows: tests, oracle, decode A/B
 #   bash benchmarks/gpu_session.sh tail M...     # kernels of whole decode steps, tail included
+#   bash benchmarks/gpu_session.sh decode-diag M # decode attention sweep, step kernels without PDL
 #   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
 #   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
@@ -93,6 +94,16 @@ tail)  # MODEL... (~2 min each): the kernels of whole decode steps (forward, LM 
       --batch-sizes 1,32 --sections kernels,step-kernels --label tail \
       --json "$OUT/tail.jsonl" 2>>"$OUT/tail.err" | grep -v '^{'
   done
+  ;;
+decode-diag)  # MODEL (~4 min): where a small model's decode step spends its device time: decode
+  # attention's launches at short contexts, and the step's kernels with PDL off (with PDL on a
+  # kernel's time includes its wait for the one before), at batch 1, 8 and 32
+  info | tee "$OUT/env.txt"
+  timeout 200 python3 benchmarks/bench_kernels.py --sections decode-sweep --out "$OUT/decode-sweep.md" \
+    2>>"$OUT/diag.err" | tail -n 60
+  timeout 200 python3 benchmarks/profile_step.py --model "${2:-random:qwen3-0.6b}" \
+    --modes full_and_piecewise --batch-sizes 1,8,32 --sections kernels --no-pdl \
+    --label no-pdl --json "$OUT/kernels-no-pdl.jsonl" 2>>"$OUT/diag.err" | grep -v '^{'
   ;;
 verify-tests)  # every GPU test in one run (about 9 minutes on an H100), the log whole
   info | tee "$OUT/env.txt"
