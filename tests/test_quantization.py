@@ -231,7 +231,9 @@ def test_fp8_activations_round_to_nearest_even_as_torch_does(monkeypatch):
     """quantize_tokens (the per-token activations of _scaled_mm) and the FP8 dot rows share
     the quantiser: float32 x of full mantissas at every magnitude, FP8 values, the midpoints
     between them (ties to even; carries into the next binade; subnormals) and their
-    neighbours, whose scale is 1 or 3 (a quotient at a midpoint exactly): torch's values."""
+    neighbours, whose scale is 1 or 3 (a quotient at a midpoint exactly), and quotients near
+    the midpoints at a scale where a product by the reciprocal rounds them wrongly: torch's
+    values."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(0)
     values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -242,6 +244,12 @@ def test_fp8_activations_round_to_nearest_even_as_torch_does(monkeypatch):
     near = torch.cat([near, -near])
     rows = [near * 3, near, torch.randn(near.numel(), generator=g) * 1e-3]
     rows += [torch.randn(near.numel(), generator=g) * 10.0**e for e in (-20, 0, 20)]
+    # a scale at which x times the rounded 1 / scale lands on the wrong side of 126 midpoints
+    amax = torch.tensor([831.0363159179688])
+    at = middles * (amax / 448)
+    up, down = at.nextafter(torch.tensor(1e9)), at.nextafter(torch.tensor(-1e9))
+    tricky = torch.cat([at, up, down, up.nextafter(up + 1), down.nextafter(down - 1), amax])
+    rows.append(torch.nn.functional.pad(tricky, (0, near.numel() - tricky.numel())))
     x = torch.stack(rows)
     q, s = fp8.quantize_tokens(x)
     want_s = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
