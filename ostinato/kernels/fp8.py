@@ -2,10 +2,18 @@
 (FP8 at load) or one per (block_n x block_k) block (block-wise checkpoints).
 
 Small batches (decode, up to GEMV_ROWS rows) are bound by reading the weights: a Triton kernel
-reads the FP8 bytes and widens them in registers, x stays in the model dtype (weight-only: as
-exact as the dequantised reference up to the order of the sum). One row by FMAs and a sum,
-more rows by tl.dot on x padded to 16 or 32 rows; K split over programs where the weight has
-too few rows to fill the GPU (see gemv_config). Larger batches: per-row scales go through
+reads the FP8 bytes; K split over programs where the weight has too few rows to fill the GPU
+(see gemv_config). One row by FMAs and a sum, the weights widened in registers and x in the
+model dtype (weight-only: as exact as the dequantised reference up to the order of the sum).
+2-32 rows by tl.dot on x padded to 16 or 32 rows. Numerics there (FP8_DOT, bfloat16 and
+float16 x): x quantised to FP8 e4m3 per (row, group of X_GROUP = 128 columns, narrower where
+a block-wise checkpoint's scale blocks are), its scale the group's largest magnitude (at least
+1e-12) over 448, each value divided by it, clamped to +-448 and rounded to the nearest even
+FP8 value, exactly as torch's (x / s).clamp(-448, 448).to(float8_e4m3fn); the FP8 x FP8
+products summed in fp32, times the group's x scale (and the block's weight scale), times the
+row's weight scale at the end: the issue's dynamic per-token-group activation scales, the
+group being the chunk. With FP8_DOT off (and for float32 models) the weight-only dot: x in
+the model dtype, the weights widened to it. Larger batches: per-row scales go through
 torch._scaled_mm (x quantised per token to FP8, dynamic scales; bfloat16 models, float32 ones
 dequantise); block scales through a Triton GEMM that scales each tile. On the CPU: dequantise,
 then the same matmul, so CI tests the math.
