@@ -384,26 +384,39 @@ def _ring_seconds(ring: list, call: Callable) -> float:
 
 def fp8_rows(copy_bw: float) -> list[list[str]]:
     """Llama-3.1-8B's projections on FP8 weights (per-row scales, bfloat16 x): our kernel in
-    its chosen configuration, the kernel it replaced (up to its 8 rows; above them the
-    _scaled_mm path fp8_linear took, x quantised per token), a bfloat16 cuBLAS matmul of the
-    same shape, and the floor: the FP8 weights and scales read at copy bandwidth."""
+    its chosen configuration, and from 8 rows its two tl.dot paths in their gemv_config
+    launches (weight-only: x bfloat16, the weights widened; FP8 dot: x quantised per group of
+    128 columns); the kernel it replaced (up to its 8 rows; above them the _scaled_mm path
+    fp8_linear took, x quantised per token), a bfloat16 cuBLAS matmul of the same shape, and
+    the floor: the FP8 weights and scales read at copy bandwidth."""
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for name, (n, k) in FP8_SHAPES.items():
         ring, bf16 = _ring(n, k, True), _ring(n, k, False)
         weight_bytes = n * k + 4 * n
         floor = weight_bytes / copy_bw
-        for m in (1, 8, 32):
+        for m in (1, 8, 16, 32):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             small = m <= fp8_gemv_before.ROWS
             before = fp8_gemv_before.gemv_before if small else fp8._scaled_mm
-            ours = _ring_seconds(ring, lambda w, s, x=x: fp8.fp8_gemv(x, w, s))
+            config = fp8.gemv_config(m, n, k, None, sms)
+            paths = {}  # fp8_dot -> seconds of gemv_config's launch with FP8_DOT so
+            for fp8_dot in (False, True) if m > 1 else ():
+                launch = _fp8_config(m, n, k, sms, fp8_dot)
+                paths[fp8_dot] = _ring_seconds(
+                    ring, lambda w, s, x=x, c=launch: fp8.fp8_gemv(x, w, s, config=c)
+                )
+            if config.fp8_x in paths:
+                ours = paths[config.fp8_x]
+            else:
+                ours = _ring_seconds(ring, lambda w, s, x=x: fp8.fp8_gemv(x, w, s))
             old = _ring_seconds(ring, lambda w, s, x=x, before=before: before(x, w, s))
             cublas = graph_seconds([lambda w=w, x=x: F.linear(x, w) for w in bf16])
-            config = fp8.gemv_config(m, n, k, None, sms)
             rows.append([
                 name, str(m), f"{weight_bytes / 1e6:.1f}", f"{ours * 1e6:.2f}",
-                _fp8_short(config), f"{old * 1e6:.2f}", f"{cublas * 1e6:.2f}",
+                _fp8_short(config),
+                *(f"{paths[p] * 1e6:.2f}" if p in paths else "-" for p in (False, True)),
+                f"{old * 1e6:.2f}", f"{cublas * 1e6:.2f}",
                 f"{floor * 1e6:.2f}", f"{weight_bytes / ours / copy_bw:.2f}",
                 f"{old / ours:.2f}x", f"{cublas / ours:.2f}x",
             ])  # fmt: skip
@@ -412,59 +425,102 @@ def fp8_rows(copy_bw: float) -> list[list[str]]:
     return rows
 
 
+def _fp8_config(m: int, n: int, k: int, sms: int, fp8_dot: bool):
+    """gemv_config's launch with fp8.FP8_DOT set to fp8_dot."""
+    saved, fp8.FP8_DOT = fp8.FP8_DOT, fp8_dot
+    try:
+        return fp8.gemv_config(m, n, k, None, sms)
+    finally:
+        fp8.FP8_DOT = saved
+
+
 def fp8_sweep_rows(copy_bw: float) -> list[list[str]]:
-    """Other launch configurations of the FP8 small-batch kernel on Llama-3.1-8B's projections
-    at 1 and 32 rows, the five fastest of each first (of copy: the weight bytes a second over
-    the copy rate), to tune gemv_config. One row: the FMA path at other widths and splits,
-    and tl.dot's; 32 rows: tl.dot at other tile widths, warps and splits."""
+    """Launch configurations of the FP8 small-batch kernel's FP8 x FP8 dot on Llama-3.1-8B's
+    projections at 8 and 32 rows, to tune gemv_config (of copy: the weight bytes a second
+    over the copy rate). First tile widths, warps and chunk widths at 4 stages, K split as
+    gemv_config would for that width; then the best two at 3 and 5 stages, and at half and
+    twice the split. The five fastest of each case, gemv_config's launch, and the weight-only
+    dot's launch for reference."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for name, (n, k) in FP8_SHAPES.items():
         ring = _ring(n, k, True)
-        for m in (1, 32):
+        for m in (8, 32):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             default = fp8.gemv_config(m, n, k, None, sms)
-            timed = []
-            for config in dict.fromkeys([default, *_fp8_variants(m, n, k, default)]):
-                try:
-                    seconds = _ring_seconds(
-                        ring, lambda w, s, x=x, c=config: fp8.fp8_gemv(x, w, s, config=c)
-                    )
-                except Exception as error:  # a configuration the compiler rejects
-                    print(f"fp8 {name} {m} {config}: {type(error).__name__}")
-                    continue
-                timed.append((seconds, config))
-            timed.sort(key=lambda pair: pair[0])
-            for seconds, config in timed[:5] + [t for t in timed[5:] if t[1] == default]:
+            weight_only = _fp8_config(m, n, k, sms, False)
+            timed = {}  # config -> seconds
+            for config in [default, weight_only, *_fp8_tiles(m, n, k, sms)]:
+                _fp8_time(timed, ring, x, config)
+            dots = sorted((c for c in timed if c.fp8_x), key=timed.get)
+            for config in dots[:2]:
+                for variant in _fp8_neighbours(config, k):
+                    _fp8_time(timed, ring, x, variant)
+            ranked = sorted(timed, key=timed.get)
+            shown = ranked[:5] + [c for c in ranked[5:] if c in (default, weight_only)]
+            for config in shown:
                 mark = " (default)" if config == default else ""
+                mark += " (weight-only)" if config == weight_only and config != default else ""
                 rows.append([
-                    f"{name} x {m}", _fp8_short(config) + mark, f"{seconds * 1e6:.2f}",
-                    f"{(n * k + 4 * n) / seconds / copy_bw:.2f}",
+                    f"{name} x {m}", _fp8_short(config) + mark, f"{timed[config] * 1e6:.2f}",
+                    f"{(n * k + 4 * n) / timed[config] / copy_bw:.2f}",
                 ])  # fmt: skip
         del ring
         torch.cuda.empty_cache()
     return rows
 
 
-def _fp8_variants(m: int, n: int, k: int, default) -> list:
-    def config(rows, block_n, block_k, split, warps, stages):
-        span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        return fp8.GemvConfig(rows, block_n, block_k, span, triton.cdiv(k, span), warps, stages)
+FP8_SMEM = 227 << 10  # an H100 SM's shared memory for one program
 
+
+def _fp8_time(timed: dict, ring: list, x: torch.Tensor, config) -> None:
+    """timed[config] = seconds per call, unless timed or over the shared memory."""
+    if config in timed or _fp8_smem(config) > FP8_SMEM:
+        return
+    try:
+        timed[config] = _ring_seconds(
+            ring, lambda w, s, x=x, c=config: fp8.fp8_gemv(x, w, s, config=c)
+        )
+    except Exception as error:  # a configuration the compiler rejects
+        print(f"fp8 {tuple(x.shape)} {config}: {type(error).__name__}")
+
+
+def _fp8_smem(config) -> int:
+    """Shared memory the pipelined loop stages: FP8 weight tiles and x's rows per stage."""
+    return config.num_stages * config.block_k * (config.block_n + 2 * config.rows)
+
+
+def _fp8_dot_config(m, k, block_n, block_k, split, warps, stages):
+    span = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     rows = max(16, triton.next_power_of_2(m))
-    if m > 1:
-        return [config(rows, block_n, 128, split, warps, 4)
-                for block_n, warps in ((128, 4), (64, 4), (128, 8))
-                for split in (1, 2, 4, 8)]  # fmt: skip
-    return [config(1, block_n, 512, split, 4, 1)
-            for block_n in (8, 16, 32)
-            for split in (default.split, 2 * default.split)] + [
-        config(rows, 128, 128, split, 4, 4) for split in (4, 8)
+    return fp8.GemvConfig(rows, block_n, block_k, span, triton.cdiv(k, span), warps, stages, True)
+
+
+def _fp8_tiles(m: int, n: int, k: int, sms: int) -> list:
+    """FP8 dot launches of other tile widths, warps and chunk widths, split as gemv_config
+    splits for the width."""
+    out = []
+    for block_n, warps, block_k in ((64, 4, 128), (128, 4, 128), (128, 8, 128), (256, 8, 128),
+                                    (128, 4, 256)):  # fmt: skip
+        split = max(1, min(2 * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
+        out.append(_fp8_dot_config(m, k, block_n, block_k, split, warps, 4))
+    return out
+
+
+def _fp8_neighbours(config, k: int) -> list:
+    """config at 3 and 5 stages, and at half and twice its split."""
+    m, block_n, block_k = config.rows, config.block_n, config.block_k
+    warps, stages, split = config.num_warps, config.num_stages, config.split
+    return [
+        *(config._replace(num_stages=s) for s in (3, 5) if s != stages),
+        *(_fp8_dot_config(m, k, block_n, block_k, s, warps, stages)
+          for s in {max(1, split // 2), split * 2} - {split}),
     ]  # fmt: skip
 
 
 def _fp8_short(config) -> str:
-    kind = "fma" if config.rows == 1 else f"dot {config.rows} rows"
+    dot = "fp8 x fp8" if config.fp8_x else "weight-only"
+    kind = "fma" if config.rows == 1 else f"{dot} dot {config.rows} rows"
     return (f"{kind}, {config.block_n} x {config.block_k}, split {config.split}, "
             f"{config.num_warps} warps, {config.num_stages} stages")  # fmt: skip
 
@@ -934,6 +990,8 @@ def main() -> None:
                     "FP8 MB",
                     "ours µs",
                     "ours: launch",
+                    "weight-only dot µs",
+                    "FP8 dot µs",
                     "before µs",
                     "bf16 cuBLAS µs",
                     "floor µs",
@@ -943,9 +1001,11 @@ def main() -> None:
                 ],
                 fp8_rows(copy_bw),
             )  # fmt: skip
-            + "\n\nbefore: the kernel this one replaced (`benchmarks/fp8_gemv_before.py`) up to "
-            "8 rows; above, `_scaled_mm` (x quantised per token, cuBLAS FP8), which fp8_linear "
-            "took there."
+            + "\n\nweight-only dot / FP8 dot: the kernel's tl.dot rows in gemv_config's launch "
+            "with fp8.FP8_DOT off (x bfloat16, the weights widened) and on (x quantised to FP8 "
+            "per group of 128 columns). before: the kernel this one replaced "
+            "(`benchmarks/fp8_gemv_before.py`) up to 8 rows; above, `_scaled_mm` (x quantised "
+            "per token, cuBLAS FP8), which fp8_linear took there."
         )
     if "fp8-sweep" in chosen:
         sections.append(

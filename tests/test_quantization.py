@@ -10,7 +10,8 @@ from helpers import make_hf_checkpoint
 from oracle import oracle_prompts, run_ostinato
 
 from ostinato import LLM
-from ostinato.kernels.fp8 import GEMV_ROWS, fp8_linear, quantize_rows
+from ostinato.kernels import fp8
+from ostinato.kernels.fp8 import GEMV_ROWS, GemvConfig, fp8_gemv, fp8_linear, quantize_rows
 from ostinato.loader import load_hf_config
 
 
@@ -124,20 +125,14 @@ def test_fp8_linear_equals_float64_math(monkeypatch, path, rows, blockwise):
 def test_fp8_gemv_equals_float64_math(monkeypatch, rows, n, k, block):
     """The small-batch kernel (up to GEMV_ROWS rows) on FP8 weights of every magnitude
     (subnormals included) and random scales, one per row or per block, against x @ (w *
-    scale).T in float64; x a view with a row stride of its own."""
+    scale).T in float64; x a view with a row stride of its own. The tl.dot rows weight-only
+    (FP8_DOT off: the bfloat16 dot on widened weights)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fp8, "FP8_DOT", False)
     assert rows <= GEMV_ROWS
     g = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k + 5, generator=g)[:, :k]
-    magnitudes = 2.0 ** (torch.rand(n, k, generator=g) * 20 - 12)  # 2^-12 .. 2^8
-    q = (torch.randn(n, k, generator=g) * magnitudes).clamp(-448, 448).to(torch.float8_e4m3fn)
-    if block is None:
-        scale = torch.rand(n, 1, generator=g) + 0.5
-        expanded = scale.double()
-    else:
-        scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5
-        expanded = scale.double().repeat_interleave(block[0], 0)[:n]
-        expanded = expanded.repeat_interleave(block[1], 1)[:, :k]
+    q, scale, expanded = random_fp8_weights(n, k, block, g)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
         want = x.to(dtype).double() @ (q.double() * expanded).T
         got = fp8_linear(x.to(dtype), q, scale, block=block)
@@ -147,6 +142,121 @@ def test_fp8_gemv_equals_float64_math(monkeypatch, rows, n, k, block):
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * size)
         again = fp8_linear(x.to(dtype), q, scale, block=block)  # a split leaves its counts at 0
         torch.testing.assert_close(again, got, rtol=0, atol=0)
+
+
+def random_fp8_weights(n: int, k: int, block: tuple[int, int] | None, g: torch.Generator):
+    """FP8 weights of every magnitude (2^-12 .. 2^8, subnormals included), random scales (one
+    per row or per block), and the scales expanded to [n, k] in float64."""
+    magnitudes = 2.0 ** (torch.rand(n, k, generator=g) * 20 - 12)
+    q = (torch.randn(n, k, generator=g) * magnitudes).clamp(-448, 448).to(torch.float8_e4m3fn)
+    if block is None:
+        scale = torch.rand(n, 1, generator=g) + 0.5
+        return q, scale, scale.double()
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5
+    expanded = scale.double().repeat_interleave(block[0], 0)[:n]
+    return q, scale, expanded.repeat_interleave(block[1], 1)[:, :k]
+
+
+def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x [M, K] as the FP8 dot rows take it, in float64: each row in groups of `group`
+    columns (the last one shorter), each group divided by its scale (its largest magnitude,
+    at least 1e-12, over 448), clamped to +-448, rounded to FP8, times that scale."""
+    out = torch.empty(x.shape, dtype=torch.float64)
+    for j in range(0, x.shape[1], group):
+        part = x[:, j : j + group].float()
+        scale = part.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+        q = (part / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[:, j : j + group] = q.double() * scale.double()
+    return out
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, block, config",
+    [
+        (2, 161, 300, None, None),  # K not a multiple of the chunk, columns masked
+        (16, 256, 1024, None, GemvConfig(16, 64, 256, 512, 2, 4, 4, True)),  # 2 groups a
+        # chunk, split in two, every tile whole
+        (17, 130, 1100, (128, 128), None),  # 32 padded rows, split in two
+        (32, 161, 1100, None, GemvConfig(32, 64, 256, 512, 3, 4, 4, True)),  # the last chunk
+        # half a group, half nothing
+        (32, 130, 520, (64, 64), GemvConfig(32, 64, 128, 128, 5, 4, 4, True)),  # groups of 64
+        (3, 130, 520, (64, 32), None),  # groups of 32, weight blocks cut at both edges
+    ],
+)  # fmt: skip
+def test_fp8_dot_rows_equal_float64_math_of_x_quantised_per_group(
+    monkeypatch, rows, n, k, block, config
+):
+    """2-32 rows of half-precision x (FP8_DOT): x quantised per (row, 128 columns, or the
+    scale block's width where narrower) to FP8 and multiplied by the FP8 weights, against
+    that math in float64 (grouped_x); the bfloat16 launch gemv_config chooses (with a bias),
+    and float32 in a forced FP8 x launch, within float32 rounding."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, k + 5, generator=g)[:, :k] * 3
+    q, scale, expanded = random_fp8_weights(n, k, block, g)
+    group = 128 if block is None else min(128, block[1])
+    bias = torch.randn(n, generator=g).bfloat16()
+    assert fp8.gemv_config(rows, n, k, block, 4, torch.bfloat16).fp8_x
+    got = fp8_linear(x.bfloat16(), q, scale, bias, block=block)
+    want = grouped_x(x.bfloat16(), group) @ (q.double() * expanded).T + bias.double()
+    size = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * size)
+    config = config or fp8.gemv_config(rows, n, k, block, 4, torch.float32)._replace(fp8_x=True)
+    for _ in range(2):  # a split leaves its counts at 0
+        got = fp8_gemv(x, q, scale, block, config)
+        want = grouped_x(x, group) @ (q.double() * expanded).T
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * size)
+
+
+def test_fp8_dot_rows_scale_x_once_per_group_of_its_row(monkeypatch):
+    """Groups of x 10^-3 .. 10^3 apart, in rows of their own magnitudes: one scale for a whole
+    row would round the small groups away, and a scale applied twice or not at all would miss
+    by its size; the kernel gives the per-group math (which differs from the per-row one)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(7)
+    rows, n, k = 4, 64, 512
+    magnitude = 10.0 ** torch.tensor([[-3, 0, 3, -1], [2, -2, 0, 1], [0, 0, 0, 0], [1, 3, -3, 2]])
+    x = (torch.randn(rows, k, generator=g) * magnitude.repeat_interleave(128, 1)).bfloat16()
+    q, scale, expanded = random_fp8_weights(n, k, None, g)
+    w = (q.double() * expanded).T
+    got = fp8_linear(x, q, scale).double()
+    want = grouped_x(x) @ w
+    per_row = grouped_x(x, k) @ w
+    for a, b in ((got, want), (per_row, want)):
+        error = ((a - b).abs() / b.abs().amax(1, keepdim=True)).max().item()
+        assert (error < 2**-7) == (a is got), error
+
+
+def test_fp8_activations_round_to_nearest_even_as_torch_does(monkeypatch):
+    """quantize_tokens (the per-token activations of _scaled_mm) and the FP8 dot rows share
+    the quantiser: float32 x of full mantissas at every magnitude, FP8 values, the midpoints
+    between them (ties to even; carries into the next binade; subnormals) and their
+    neighbours, whose scale is 1 or 3 (a quotient at a midpoint exactly), and quotients near
+    the midpoints at a scale where a product by the reciprocal rounds them wrongly: torch's
+    values."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite() & (values >= 0)].sort().values
+    middles = (values[1:] + values[:-1]) / 2
+    near = torch.cat([values, middles, middles.nextafter(torch.tensor(1e9)),
+                      middles.nextafter(torch.tensor(-1e9))])  # fmt: skip
+    near = torch.cat([near, -near])
+    rows = [near * 3, near, torch.randn(near.numel(), generator=g) * 1e-3]
+    rows += [torch.randn(near.numel(), generator=g) * 10.0**e for e in (-20, 0, 20)]
+    # a scale at which x times the rounded 1 / scale lands on the wrong side of 126 midpoints
+    amax = torch.tensor([831.0363159179688])
+    at = middles * (amax / 448)
+    up, down = at.nextafter(torch.tensor(1e9)), at.nextafter(torch.tensor(-1e9))
+    tricky = torch.cat([at, up, down, up.nextafter(up + 1), down.nextafter(down - 1), amax])
+    rows.append(torch.nn.functional.pad(tricky, (0, near.numel() - tricky.numel())))
+    x = torch.stack(rows)
+    q, s = fp8.quantize_tokens(x)
+    want_s = x.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert s[0].item() == 3 and s[1].item() == 1
+    want = (x / want_s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    torch.testing.assert_close(q.float(), want.float(), rtol=0, atol=0)
 
 
 def test_quantize_rows_keeps_each_row_within_fp8_rounding():

@@ -2,16 +2,26 @@
 (FP8 at load) or one per (block_n x block_k) block (block-wise checkpoints).
 
 Small batches (decode, up to GEMV_ROWS rows) are bound by reading the weights: a Triton kernel
-reads the FP8 bytes and widens them in registers, x stays in the model dtype (weight-only: as
-exact as the dequantised reference up to the order of the sum). One row by FMAs and a sum,
-more rows by tl.dot on x padded to 16 or 32 rows; K split over programs where the weight has
-too few rows to fill the GPU (see gemv_config). Larger batches: per-row scales go through
+reads the FP8 bytes; K split over programs where the weight has too few rows to fill the GPU
+(see gemv_config). One row by FMAs and a sum, the weights widened in registers and x in the
+model dtype (weight-only: as exact as the dequantised reference up to the order of the sum).
+2-32 rows by tl.dot on x padded to 16 or 32 rows. Numerics there (FP8_DOT, bfloat16 and
+float16 x): x quantised to FP8 e4m3 per (row, group of X_GROUP = 128 columns, narrower where
+a block-wise checkpoint's scale blocks are), its scale the group's largest magnitude (at least
+1e-12) over 448, each value divided by it, clamped to +-448 and rounded to the nearest even
+FP8 value, exactly as torch's (x / s).clamp(-448, 448).to(float8_e4m3fn); the FP8 x FP8
+products summed in fp32, times the group's x scale (and the block's weight scale), times the
+row's weight scale at the end: the issue's dynamic per-token-group activation scales, the
+group being the chunk. With FP8_DOT off (and for float32 models) the weight-only dot: x in
+the model dtype, the weights widened to it. Larger batches: per-row scales go through
 torch._scaled_mm (x quantised per token to FP8, dynamic scales; bfloat16 models, float32 ones
 dequantise); block scales through a Triton GEMM that scales each tile. On the CPU: dequantise,
 then the same matmul, so CI tests the math.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +51,8 @@ GEMV_ROWS = 32  # up to here _fp8_gemv_kernel; above it _scaled_mm or the tiled 
 DOT_ROWS = 2  # from here that kernel's rows go through tl.dot
 MAX_SPAN = 4096  # one row: longer weight rows split over programs
 _PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
+FP8_DOT = True  # 2-32 rows of half-precision x: x to FP8 per group, an FP8 x FP8 tl.dot
+X_GROUP = 128  # columns of x that share one activation scale there
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +105,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = min(4096, triton.next_power_of_2(k))
         _quantize_tokens_kernel[(m,)](
             x, xq, scale, k, x.stride(0), BLOCK=block, CHUNKS=triton.cdiv(k, block),
-            num_warps=8, **pdl_options(),
+            EMULATE=interpreting(), num_warps=8, **pdl_options(),
         )  # fmt: skip
     return xq, scale
 
@@ -101,7 +113,7 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @jit
 def _quantize_tokens_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_x, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
-    PDL: tl.constexpr,
+    EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -113,17 +125,60 @@ def _quantize_tokens_kernel(
         kk = c * BLOCK + offs
         v = tl.load(x_ptr + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    s = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), 1e-12), 448.0)  # as torch divides
+    s, r = _x_scale(tl.max(amax, axis=0))
     tl.store(s_ptr + row, s)
     for c in tl.static_range(CHUNKS):
         kk = c * BLOCK + offs
         v = tl.load(x_ptr + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, s), -448.0), 448.0)
-        tl.store(q_ptr + row * K + kk, q.to(q_ptr.dtype.element_ty), mask=kk < K)
+        tl.store(q_ptr + row * K + kk, _quantize(v, s, r, EMULATE), mask=kk < K)
 
 
-def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int) -> GemvConfig:
-    """The launch configuration of _fp8_gemv_kernel, from shapes alone (fixed under a graph).
+@jit
+def _x_scale(amax):
+    """(s, r): an activation scale, the group's largest magnitude (at least 1e-12) over 448,
+    divided as torch divides, and 1 / s rounded, for _quantize."""
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    return s, tl.math.div_rn(1.0, s)
+
+
+@jit
+def _quantize(v, s, r, EMULATE: tl.constexpr):
+    """float32 v / s to FP8 e4m3 as torch's (v / s).clamp(-448, 448).to(float8_e4m3fn) does:
+    the quotient correctly rounded, then the nearest FP8 value, ties to even.
+    The quotient as the hardware's division computes it, without its per-division reciprocal
+    and range checks (a tenth of the instructions): v times the rounded reciprocal r, within
+    1.5 units in the last place, then one correction by the exact remainder (Markstein's);
+    the ranges are safe as s is at least 1e-12 / 448 and |v / s| at most about 448.
+    EMULATE (the interpreter, whose conversion misrounds where a value carries into the next
+    binade and below 2^-6): round in float32 first, adding and taking away a number whose last
+    bit is the FP8 step at that magnitude (2^-9 below 2^-6): the conversion meets FP8 values."""
+    q = v * r
+    q = tl.fma(tl.fma(-q, s, v), r, q)
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if EMULATE:
+        exponent = tl.maximum((q.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
+        step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+        big = step * 12582912.0  # 1.5 * 2^23 steps: its last bit is one step
+        q = (q + big) - big
+    return q.to(tl.float8e4nv)
+
+
+def x_group(block: tuple[int, int] | None) -> int:
+    """Columns of x per activation scale on the FP8 x FP8 path: X_GROUP, narrower where a
+    block-wise checkpoint's scale blocks are (a group lies in one weight block)."""
+    return X_GROUP if block is None else math.gcd(X_GROUP, block[1])
+
+
+def gemv_config(
+    m: int,
+    n: int,
+    k: int,
+    block: tuple[int, int] | None,
+    sms: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> GemvConfig:
+    """The launch configuration of _fp8_gemv_kernel, from shapes and x's dtype alone (fixed
+    under a graph).
 
     One row: FMAs, as kernels/gemv.py does for bf16 weights (2.5 TB/s on the H100): few weight
     rows per program, so about _PROGRAMS programs hold the loads in flight, and the span
@@ -137,19 +192,28 @@ def gemv_config(m: int, n: int, k: int, block: tuple[int, int] | None, sms: int)
     rows a program, and K split until there are about two programs per SM, not more (each
     keeps only num_stages - 1 chunks of 16 KB in flight, so a second wave's few programs would
     leave the memory idle), each split at least 4 chunks so the pipeline fills and the fp32
-    partials stay small beside the weights."""
+    partials stay small beside the weights.
+    FP8_DOT (half-precision x; groups of at least 32 columns, the FP8 MMA's K): x quantised
+    per (row, group) in the loop, the FP8 weight tile fed to the warpgroup MMA from shared
+    memory as it arrives, no widening; float32 models keep the weight-only dot, their exact
+    reference. The loop then costs 2.7 instructions per weight at 16 rows and 4.7 at 32 with
+    128 weight rows and 4 warps, mostly x's quantisation (about 6 per x element: its
+    magnitude, the quotient, the clamp, the conversion), which 256 weight rows and 8 warps
+    share among twice the weights: 1.8 and 2.9 (Triton 3.9's SASS for sm_90)."""
+    fp8_x = False
     if m < DOT_ROWS:
         rows, block_k, warps, stages = 1, 512, 4, 1
         block_n = max(1, min(16, triton.next_power_of_2(n) // _PROGRAMS))
         split = triton.cdiv(k, MAX_SPAN)
     else:
-        rows, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 128, 128, 4, 4
-        tiles = triton.cdiv(n, block_n)
-        split = max(1, min(2 * sms // tiles, k // (4 * block_k)))
+        rows, block_k, stages = max(16, triton.next_power_of_2(m)), 128, 4
+        fp8_x = FP8_DOT and dtype != torch.float32 and x_group(block) >= 32
+        block_n, warps = (256, 8) if fp8_x else (128, 4)
+        split = max(1, min(2 * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
         block_k = min(block_k, block[1])
     span, split = split_span(k, block_k, split, triton.cdiv(n, block_n))
-    return GemvConfig(rows, block_n, block_k, span, split, warps, stages)
+    return GemvConfig(rows, block_n, block_k, span, split, warps, stages, fp8_x)
 
 
 @jit
@@ -194,7 +258,7 @@ def _fp8_gemv_kernel(
     stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPAN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr,
     BLOCKWISE: tl.constexpr, F32_DOT: tl.constexpr, BIT_MOVES: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8_X: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y[:M] for BLOCK_N weight rows over SPAN columns of K (split program_id(1) of SPLIT).
 
@@ -206,6 +270,14 @@ def _fp8_gemv_kernel(
     n // BLOCK_SN, and each chunk's product is scaled; else one scale per row, applied once at
     the end. F32_DOT: the dot in float32 (float32 models; the interpreter, whose bfloat16 dot
     is wrong); BIT_MOVES: bfloat16 weights by _bf16_from_fp8. EVEN: no masks on the weights.
+
+    FP8_X (tl.dot rows): each GROUP columns of a chunk, x's rows quantised to FP8 with one
+    scale each (_x_scale of the group's largest magnitude) and the FP8 weight tile times
+    them, transposed ([BLOCK_N, GROUP] x [GROUP, ROWS]: both operands K-major, as the FP8 MMA
+    needs, the weights the M side that Hopper's warpgroup MMA wants 64 of); each product is
+    scaled by its rows' x scales (and its block's weight scale) into the fp32 sum. F32_DOT
+    here: the product of the FP8 values in float32 (the interpreter has no FP8 dot);
+    EMULATE: the interpreter's rounding (_quantize).
 
     SPLIT > 1: each program stores its fp32 partial in part_ptr [SPLIT, M, N] and counts
     itself in sem_ptr[tile]; the last of a tile's programs sums the partials and stores y
@@ -242,22 +314,44 @@ def _fp8_gemv_kernel(
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         x_rows = x_ptr + rows[:, None] * stride_xm
-        for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
-            kk = k0 + k
-            w = load_weights(w_rows, kk, col_ok, K, EVEN)
-            x_ok = (rows < M)[:, None] if EVEN else (rows < M)[:, None] & (kk < K)[None, :]
-            x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-            if F32_DOT:
-                x, wt = x.to(tl.float32), tl.trans(w.to(tl.float32))
-            elif BIT_MOVES:
-                wt = tl.trans(_bf16_from_fp8(w))
-            else:
-                wt = tl.trans(w.to(x.dtype))
-            if BLOCKWISE:
-                s = tl.load(s_cols + k0 // BLOCK_SK, mask=col_ok, other=0.0)
-                acc += tl.dot(x, wt, input_precision="ieee") * s[None, :]
-            else:
-                acc = tl.dot(x, wt, acc, input_precision="ieee")
+        if FP8_X:
+            acc_t = tl.zeros([BLOCK_N, ROWS], tl.float32)  # y transposed
+            for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
+                for g in tl.static_range(BLOCK_K // GROUP):
+                    kk = k0 + g * GROUP + tl.arange(0, GROUP)
+                    w = load_weights(w_rows, kk, col_ok, K, EVEN)
+                    x_ok = (rows < M)[:, None] & (kk < K)[None, :]
+                    x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                    xs, xr = _x_scale(tl.max(tl.abs(x), axis=1))
+                    xq = _quantize(x, xs[:, None], xr[:, None], EMULATE)
+                    if F32_DOT:
+                        part = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)),
+                                      input_precision="ieee")  # fmt: skip
+                    else:
+                        part = tl.dot(w, tl.trans(xq))
+                    if BLOCKWISE:
+                        s = tl.load(s_cols + (k0 + g * GROUP) // BLOCK_SK, mask=col_ok, other=0.0)
+                        acc_t += part * xs[None, :] * s[:, None]
+                    else:
+                        acc_t += part * xs[None, :]
+            acc = tl.trans(acc_t)
+        else:
+            for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
+                kk = k0 + k
+                w = load_weights(w_rows, kk, col_ok, K, EVEN)
+                x_ok = (rows < M)[:, None] if EVEN else (rows < M)[:, None] & (kk < K)[None, :]
+                x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
+                if F32_DOT:
+                    x, wt = x.to(tl.float32), tl.trans(w.to(tl.float32))
+                elif BIT_MOVES:
+                    wt = tl.trans(_bf16_from_fp8(w))
+                else:
+                    wt = tl.trans(w.to(x.dtype))
+                if BLOCKWISE:
+                    s = tl.load(s_cols + k0 // BLOCK_SK, mask=col_ok, other=0.0)
+                    acc += tl.dot(x, wt, input_precision="ieee") * s[None, :]
+                else:
+                    acc = tl.dot(x, wt, acc, input_precision="ieee")
     ok = (rows < M)[:, None] & col_ok[None, :]
     if SPLIT > 1:
         parts = part_ptr + rows[:, None] * N + cols[None, :]
@@ -291,10 +385,10 @@ def fp8_gemv(
     if m == 0:
         return y
     key = (x.device, x.dtype, m, n, k, x.stride(0), w.stride(0), scale.stride(0), block, config,
-           interpreting())  # fmt: skip
+           interpreting(), FP8_DOT)  # fmt: skip
     entry = _launches.get(key)
     if entry is None:
-        config = config or gemv_config(m, n, k, block, num_sms(x.device, 4))
+        config = config or gemv_config(m, n, k, block, num_sms(x.device, 4), x.dtype)
         entry = _launches[key] = (_launch(x, w, scale, block, config), config)
     launch, config = entry
     part = sem = x  # unused without a split
@@ -310,6 +404,9 @@ def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
     n = w.shape[0]
     # no masks where every tile is whole: the loop stops at K, the unrolled span does not
     whole_k = config.span if config.rows == 1 else config.block_k
+    group = x_group(block)
+    if config.fp8_x and (config.rows == 1 or config.block_k % group):
+        raise ValueError(f"FP8 x needs tl.dot rows and chunks of whole groups of {group}: {config}")
     pdl = pdl_options()
     return Launch(
         _fp8_gemv_kernel,
@@ -328,6 +425,9 @@ def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
             F32_DOT=x.dtype == torch.float32 or interpreting(),
             BIT_MOVES=x.dtype == torch.bfloat16 and not interpreting(),
             EVEN=n % config.block_n == 0 and k % whole_k == 0,
+            FP8_X=config.fp8_x,
+            GROUP=group,
+            EMULATE=interpreting(),
             PDL=pdl["PDL"],
         ),
         num_warps=config.num_warps,

@@ -29,6 +29,7 @@ class GemvConfig(NamedTuple):
     split: int  # programs along K; their fp32 partials are summed by the last to finish
     num_warps: int
     num_stages: int
+    fp8_x: bool = False  # fp8.py's tl.dot rows: x quantised to FP8 for an FP8 x FP8 dot
 
 
 def split_span(k: int, block_k: int, split: int, tiles: int) -> tuple[int, int]:

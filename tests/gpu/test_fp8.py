@@ -7,8 +7,14 @@ import pytest
 import torch
 from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
-from test_quantization import float64_linear, fp8_pair, quantize_blocks  # noqa: F401 (fixture)
+from test_quantization import (  # noqa: F401 (fixture)
+    float64_linear,
+    fp8_pair,
+    grouped_x,
+    quantize_blocks,
+)
 
+from ostinato.kernels import fp8
 from ostinato.kernels.fp8 import GEMV_ROWS, fp8_linear, quantize_rows, quantize_tokens
 
 pytestmark = pytest.mark.gpu
@@ -26,13 +32,16 @@ def weights(rows: int, n: int = 1024, k: int = 512, blockwise: bool = False):
                                      (32, 4096), (40, 512), (300, 512)])  # fmt: skip
 @pytest.mark.parametrize("blockwise", [False, True])
 def test_fp8_linear_equals_float64_math(rows, k, blockwise):
-    """K = 4096 and 8192: the small-batch kernel splits K."""
+    """K = 4096 and 8192: the small-batch kernel splits K. 2-32 rows: x quantised per group
+    of 128 columns (FP8_DOT), exactly as grouped_x writes it."""
     x, q, scale = weights(rows, k=k, blockwise=blockwise)
     block = (128, 128) if blockwise else None
-    want = float64_linear(x.bfloat16(), q, scale, 128 if blockwise else None)
+    dot_rows = rows <= GEMV_ROWS and fp8.gemv_config(rows, 1024, k, block, 132).fp8_x
+    xs = grouped_x(x.bfloat16()) if dot_rows else x.bfloat16()
+    want = float64_linear(xs, q, scale, 128 if blockwise else None)
     got = fp8_linear(x.bfloat16().cuda(), q.cuda(), scale.cuda(), block=block).double().cpu()
     size = want.abs().max().item()
-    if blockwise or rows <= GEMV_ROWS:  # weight-only: within bfloat16 rounding of the output
+    if blockwise or rows <= GEMV_ROWS:  # within bfloat16 rounding of the output
         torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * size)
     else:  # _scaled_mm: activations rounded to FP8 per token as well
         torch.testing.assert_close(got, want, rtol=0.1, atol=0.03 * size)
@@ -40,10 +49,11 @@ def test_fp8_linear_equals_float64_math(rows, k, blockwise):
         assert cos > 0.998
 
 
-def test_fp8_gemv_widens_every_fp8_value_exactly():
+def test_fp8_gemv_widens_every_fp8_value_exactly(monkeypatch):
     """Weight row n holds every finite FP8 byte, rotated by n; x picks columns 0..15, the
     scales are 1: y[m, n] is byte (n + m) % 256 as a value, which bfloat16 holds exactly (the
-    bit moves of _bf16_from_fp8 on tl.dot's path, subnormals included)."""
+    bit moves of _bf16_from_fp8 on the weight-only tl.dot's path, subnormals included)."""
+    monkeypatch.setattr(fp8, "FP8_DOT", False)
     codes = (torch.arange(256)[:, None] + torch.arange(256)[None, :]) % 256
     codes[(codes & 0x7F) == 0x7F] = 0  # the NaN bytes
     q = codes.to(torch.uint8).view(torch.float8_e4m3fn).cuda()
@@ -52,14 +62,52 @@ def test_fp8_gemv_widens_every_fp8_value_exactly():
     assert torch.equal(y.float(), q[:, :16].T.float())
 
 
-def test_per_token_fp8_activations_in_one_kernel_equal_their_definition():
-    """(On the GPU: the interpreter rounds float32 to FP8 wrongly at binade boundaries.)"""
-    x = torch.randn(5, 14336) * torch.logspace(-3, 2, 5)[:, None]
-    q, scale = quantize_tokens(x.bfloat16().cuda())
-    want_scale = x.bfloat16().float().abs().amax(1, keepdim=True) / 448.0
-    torch.testing.assert_close(scale.cpu(), want_scale)
-    want = (x.bfloat16().float() / want_scale).to(torch.float8_e4m3fn)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_token_fp8_activations_in_one_kernel_equal_their_definition(dtype):
+    """The hardware's conversion and the quotient by the reciprocal and one correction
+    (float32: full mantissas) as torch rounds them."""
+    x = (torch.randn(5, 14336) * torch.logspace(-3, 2, 5)[:, None]).to(dtype)
+    q, scale = quantize_tokens(x.cuda())
+    want_scale = x.float().abs().amax(1, keepdim=True) / 448.0
+    torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0)
+    want = (x.float() / want_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     torch.testing.assert_close(q.float().cpu(), want.float(), rtol=0, atol=0)
+
+
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096),
+            "down": (4096, 14336)}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LLAMA_8B)
+def test_fp8_dot_rows_at_llama_shapes_replay_in_a_graph_as_float64_math(name):
+    """llama-3.1-8b's projections at 8, 16 and 32 rows, per-row and block-wise scales, the
+    FP8 x FP8 dot in its chosen launch, captured in a CUDA graph and replayed: x quantised
+    per group of 128 columns (grouped_x) times the dequantised weights, in float64."""
+    n, k = LLAMA_8B[name]
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.02
+    for blockwise in (False, True):
+        q, scale = quantize_blocks(w) if blockwise else quantize_rows(w)
+        block = (128, 128) if blockwise else None
+        if blockwise:
+            expanded = scale.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+        else:
+            expanded = scale.double()
+        weight = (q.double().cuda() * expanded[:, :k].cuda()).T
+        q, scale = q.cuda(), scale.cuda()
+        for rows in (8, 16, 32):
+            assert fp8.gemv_config(rows, n, k, block, 132).fp8_x
+            x = torch.randn(rows, k, generator=g).bfloat16().cuda()
+            want = grouped_x(x.cpu()).cuda() @ weight
+            fp8_linear(x, q, scale, block=block)  # compiles, and a split's counts, outside
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fp8_linear(x, q, scale, block=block)
+            size = want.abs().max().item()
+            for _ in range(2):
+                out.zero_()
+                graph.replay()
+                torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * size)
 
 
 def test_fp8_linear_is_capturable_and_replays_equal():
