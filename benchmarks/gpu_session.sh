@@ -26,6 +26,7 @@
 #   bash benchmarks/gpu_session.sh rows [TREE]   # GEMV 2-16 rows: tests, oracle, decode A/B
 #   bash benchmarks/gpu_session.sh tail M...     # kernels of whole decode steps, tail included
 #   bash benchmarks/gpu_session.sh decode-diag M # decode attention sweep, step kernels without PDL
+#   bash benchmarks/gpu_session.sh fp8dot TREE   # FP8 x FP8 dot rows: tests, kernels, decode A/B
 #   bash benchmarks/gpu_session.sh verify-tests  # all of tests/gpu, one log (a session's final check)
 #   bash benchmarks/gpu_session.sh verify-bench  # the issues' benches side by side, one short run each
 # Logs and tables go to $OUT (the device tool brings them back) or ./gpu-out.
@@ -104,6 +105,22 @@ decode-diag)  # MODEL (~4 min): where a small model's decode step spends its dev
   timeout 200 python3 benchmarks/profile_step.py --model "${2:-random:qwen3-0.6b}" \
     --modes full_and_piecewise --batch-sizes 1,8,32 --sections kernels --no-pdl \
     --label no-pdl --json "$OUT/kernels-no-pdl.jsonl" 2>>"$OUT/diag.err" | grep -v '^{'
+  ;;
+fp8dot)  # OFF_TREE (~8 min): the FP8 small-batch kernel's FP8 x FP8 dot rows: the FP8 GPU tests,
+  # the kernel table and sweep, then llama-3.1-8b FP8 decode with the dot rows on, off (a copy
+  # of the tree with fp8.FP8_DOT = False) and on again (the control)
+  info | tee "$OUT/env.txt"
+  timeout 150 python3 -m pytest tests/gpu/test_fp8.py -q -p no:cacheprovider -o addopts="" -rs \
+    2>&1 | tee "$OUT/fp8-tests.log" | tail -n 12
+  timeout 200 python3 benchmarks/bench_kernels.py --sections fp8,fp8-sweep --out "$OUT/fp8dot.md" \
+    2>>"$OUT/fp8.err" | grep -A 30 "^## FP8" | head -n 60
+  out=$(cd "$OUT" && pwd)
+  for tree in . "${2:?OFF_TREE}" .; do
+    (cd "$tree" && timeout 100 python3 -m ostinato.cli bench latency --model random:llama-3.1-8b \
+      --quantization fp8 --json --batch-size 1,8,32 --input-len 128 --output-len 64 --iters 3 \
+      --max-model-len 2048 --cuda-graph-mode full_and_piecewise 2>>"$out/fp8.err" |
+      sed "s|^{|{\"tree\": \"$tree\", |") | tee -a "$OUT/fp8-latency.jsonl"
+  done
   ;;
 verify-tests)  # every GPU test in one run (about 9 minutes on an H100), the log whole
   info | tee "$OUT/env.txt"

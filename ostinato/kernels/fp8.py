@@ -196,10 +196,11 @@ def gemv_config(
     FP8_DOT (half-precision x; groups of at least 32 columns, the FP8 MMA's K): x quantised
     per (row, group) in the loop, the FP8 weight tile fed to the warpgroup MMA from shared
     memory as it arrives, no widening; float32 models keep the weight-only dot, their exact
-    reference. The loop then costs 2.7 instructions per weight at 16 rows and 4.7 at 32 with
-    128 weight rows and 4 warps, mostly x's quantisation (about 6 per x element: its
-    magnitude, the quotient, the clamp, the conversion), which 256 weight rows and 8 warps
-    share among twice the weights: 1.8 and 2.9 (Triton 3.9's SASS for sm_90)."""
+    reference. Its launch is the H100 sweep's (`bench_kernels.py --sections fp8-sweep`,
+    benchmarks/h100-2026-11-26-s19.md, llama-3.1-8b's projections at 8 and 32 rows): 128
+    weight rows a program (256, whose SASS issues fewer instructions per weight, ran 1.1-2x
+    slower), 4 warps at 16 rows and 8 at 32, and K split to about one program per SM (two
+    waves lost 2-7%)."""
     fp8_x = False
     if m < DOT_ROWS:
         rows, block_k, warps, stages = 1, 512, 4, 1
@@ -208,8 +209,8 @@ def gemv_config(
     else:
         rows, block_k, stages = max(16, triton.next_power_of_2(m)), 128, 4
         fp8_x = FP8_DOT and dtype != torch.float32 and x_group(block) >= 32
-        block_n, warps = (256, 8) if fp8_x else (128, 4)
-        split = max(1, min(2 * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
+        block_n, warps, waves = 128, 8 if fp8_x and rows == 32 else 4, 1 if fp8_x else 2
+        split = max(1, min(waves * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
         block_k = min(block_k, block[1])
     span, split = split_span(k, block_k, split, triton.cdiv(n, block_n))
