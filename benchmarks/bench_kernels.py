@@ -7,8 +7,9 @@ decode and prefill paged attention in a Llama-3.1-8B layer shape against them, t
 norm / RoPE + KV store / activation kernels against the torch sequences they replace, the
 small-batch projection kernel against cuBLAS, (`gemv-rows`) that kernel at 1-32 rows with its
 fusions against cuBLAS and the kernels the unfused path launches around it, (`fp8`) the FP8
-small-batch kernel against the one it replaced, bf16 cuBLAS and the copy floor, and (`moe`)
-qwen3-30b-a3b's fused MoE GEMMs at decode sizes against their launch before and the copy floor.
+small-batch kernel against the one it replaced, bf16 cuBLAS and the copy floor, (`moe`)
+qwen3-30b-a3b's fused MoE GEMMs at decode sizes against their launch before and the copy floor,
+and (`moe-block`) its whole MoE block, router to output, against the kernel sequence before.
 Kernels are timed inside CUDA graphs, as the engine runs them: no launch overhead, and each
 captured call reads its own KV blocks or weights so the L2 cache cannot serve repeats. The
 `sweep`, `fp8-sweep` and `moe-sweep` sections also time other launch configurations, to tune
@@ -35,6 +36,7 @@ from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.gemv import gemv, gemv_normed
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.rope_store import rotary_torch
+from ostinato.layers.linear import project
 
 attention = importlib.import_module("ostinato.kernels.paged_attention")
 fp8_gemv_before = importlib.import_module("fp8_gemv_before")  # benchmarks/, beside this file
@@ -551,13 +553,15 @@ MOE_VARIANTS = [
 
 
 class MoeCall:
-    """One captured call's inputs: a layer's experts, a token batch, its top-8 routing from
-    random logits (renormalised, as qwen3-30b-a3b's), its pairs aligned for each block size."""
+    """One captured call's inputs: a layer's experts and router, a token batch, its top-8
+    routing from random logits (renormalised, as qwen3-30b-a3b's), its pairs aligned for each
+    block size."""
 
-    def __init__(self, layer: tuple[torch.Tensor, torch.Tensor], tokens: int) -> None:
+    def __init__(self, layer: tuple[torch.Tensor, ...], tokens: int) -> None:
         dev, bf16 = "cuda", torch.bfloat16
-        self.w13, self.w2 = layer
+        self.w13, self.w2, self.gate = layer
         self.x = torch.randn(tokens, MOE_HIDDEN, device=dev, dtype=bf16)
+        self.slots = torch.arange(tokens, device=dev)
         logits = torch.randn(tokens, MOE_EXPERTS, device=dev)
         self.weights, self.ids = moe.route(logits, MOE_TOP_K, True)
         pairs = tokens * MOE_TOP_K
@@ -580,6 +584,17 @@ class MoeCall:
     def layer(self, configs: tuple[moe.MoeConfig, moe.MoeConfig] | None) -> None:
         moe.fused_moe(self.x, self.w13, self.w2, self.ids, self.weights, configs)
 
+    def block(self) -> None:
+        """The MoE block from its input (normed) to its output, as the engine runs it."""
+        logits = project(self.x, self.gate)
+        moe.routed_moe(self.x, logits, self.w13, self.w2, MOE_TOP_K, True, self.slots)
+
+    def block_before(self) -> None:
+        """The same before issue 21's block fusions (with moe.SUM_PAIRS 0): the router through
+        cuBLAS, route, align, gate|up, down into a zeroed [pairs, H], the sum over choices."""
+        weights, ids = moe.route(F.linear(self.x, self.gate), MOE_TOP_K, True, self.slots)
+        moe.fused_moe(self.x, self.w13, self.w2, ids, weights)
+
 
 def moe_rings() -> dict[int, list[MoeCall]]:
     """Per token count, MOE_CALLS calls over two layers' experts in turn (2.4 GB), so no call
@@ -588,7 +603,7 @@ def moe_rings() -> dict[int, list[MoeCall]]:
         tuple(
             torch.randn(shape, device="cuda", dtype=torch.bfloat16).mul_(0.02)
             for shape in ((MOE_EXPERTS, 2 * MOE_INTER, MOE_HIDDEN),
-                          (MOE_EXPERTS, MOE_HIDDEN, MOE_INTER))
+                          (MOE_EXPERTS, MOE_HIDDEN, MOE_INTER), (MOE_EXPERTS, MOE_HIDDEN))
         )
         for _ in range(2)
     ]  # fmt: skip
@@ -633,6 +648,27 @@ def moe_rows(rings: dict[int, list[MoeCall]], copy_bw: float) -> list[list[str]]
                 f"{active / ours / copy_bw:.2f}", f"{active / before / copy_bw:.2f}",
                 f"{before / ours:.2f}x",
             ])  # fmt: skip
+    return rows
+
+
+def moe_block_rows(rings: dict[int, list[MoeCall]], copy_bw: float) -> list[list[str]]:
+    """The whole MoE block (router, routing, both GEMMs, the sum) at each token count, as the
+    engine runs it now and the kernel sequence before; the floor: the router's and the active
+    experts' weights read at copy bandwidth."""
+    rows = []
+    for tokens, ring in rings.items():
+        ours = graph_seconds([c.block for c in ring])
+        saved, moe.SUM_PAIRS = moe.SUM_PAIRS, 0  # read while the calls are captured
+        try:
+            before = graph_seconds([c.block_before for c in ring])
+        finally:
+            moe.SUM_PAIRS = saved
+        active = _moe_bytes(ring, tuple(MOE_GEMMS)) + MOE_EXPERTS * MOE_HIDDEN * 2
+        rows.append([
+            str(tokens), f"{active / 1e6:.1f}", f"{ours * 1e6:.2f}", f"{before * 1e6:.2f}",
+            f"{active / copy_bw * 1e6:.2f}", f"{active / ours / copy_bw:.2f}",
+            f"{active / before / copy_bw:.2f}", f"{before / ours:.2f}x",
+        ])  # fmt: skip
     return rows
 
 
@@ -869,7 +905,8 @@ def main() -> None:
         "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
         "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
-        "copy bandwidth), moe-sweep (their launch configurations)",
+        "copy bandwidth), moe-sweep (their launch configurations), moe-block (its whole MoE "
+        "block, router to output, against the kernel sequence before issue 21's fusions)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
@@ -1012,7 +1049,7 @@ def main() -> None:
             "## FP8 small-batch kernel launch configurations (fastest first)\n\n"
             + table(["case", "config", "µs", "of copy"], fp8_sweep_rows(copy_bw))
         )
-    rings = moe_rings() if chosen & {"moe", "moe-sweep"} else None
+    rings = moe_rings() if chosen & {"moe", "moe-sweep", "moe-block"} else None
     if "moe" in chosen:
         sections.append(
             f"## Mixture of experts, decode sizes (qwen3-30b-a3b: {MOE_EXPERTS} experts, top "
@@ -1037,6 +1074,29 @@ def main() -> None:
             + "\n\nbefore: every batch's launch before issue 21 (tl.dot on blocks of 16 pairs, "
             "64 x 64 tiles, no split, 4 warps, 3 stages). layer: align, both GEMMs, the sum "
             "over a token's choices (gate|up / down launches)."
+        )
+    if "moe-block" in chosen:
+        sections.append(
+            "## Mixture of experts, the whole block (qwen3-30b-a3b; from the router to the "
+            "layer's output, the norm before it excluded; µs per call in a CUDA graph; floor: "
+            "the router's and the active experts' weights read at copy bandwidth)\n\n"
+            + table(
+                [
+                    "tokens",
+                    "active MB",
+                    "ours µs",
+                    "before µs",
+                    "floor µs",
+                    "ours of copy",
+                    "before of copy",
+                    "vs before",
+                ],
+                moe_block_rows(rings, copy_bw),
+            )  # fmt: skip
+            + "\n\nours: the router by the small-batch kernel where it pays, route and align in "
+            "one program (up to 256 pairs), gate|up, down summing each token's choices (up to "
+            f"{moe.SUM_PAIRS} pairs). before: the router through cuBLAS, route, align, gate|up, "
+            "a zeroed [pairs, hidden] output, down, the sum over choices."
         )
     if "moe-sweep" in chosen:
         sections.append(

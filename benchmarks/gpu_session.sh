@@ -243,9 +243,10 @@ moe)  # tests/gpu/test_moe.py and test_fp8.py (kernels against float64 math, eve
 moe-bench)  # issue 21's targets, side by side: llama-3.1-8b bf16 vs --quantization fp8 (decode
   # at batch 1 and 32 against its floor, token agreement and logits cosine), then
   # qwen3-30b-a3b decode eager vs graphs at batch 1 and 32 and its start-up; about 6 minutes,
-  # after qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens and their launch sweep (at most 4)
+  # after qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens, its whole MoE block against the
+  # kernel sequence before and the GEMMs' launch sweep (at most 5)
   info | tee "$OUT/env.txt"
-  timeout 240 python3 benchmarks/bench_kernels.py --sections moe,moe-sweep \
+  timeout 300 python3 benchmarks/bench_kernels.py --sections moe,moe-block,moe-sweep \
     --out "$OUT/moe-kernels.md" 2>>"$OUT/bench.err" | tail -n 60
   for quant in "" "--quantization fp8"; do
     # shellcheck disable=SC2086  # $quant is two words or none

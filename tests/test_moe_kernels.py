@@ -165,3 +165,147 @@ def test_moe_config_chooses_from_shapes_a_launch_both_gemms_share():
             if pairs > moe.SMALL_PAIRS:
                 assert config == MoeConfig(16, 64, 64, 1, 4, 3)  # the launch before issue 21
     assert moe_config(256, 64, 1024, True, 2, 2, 4).split > 1  # two experts: 2 programs, 4 SMs
+
+
+# ---- decode sizes: the down GEMM sums each token's choices; route and align in one program ----
+
+LAUNCHES = [
+    MoeConfig(1, 16, 16, 1, 4, 1),  # FMAs, two chunks of K (gate|up: three)
+    MoeConfig(1, 16, 16, 2, 4, 1),  # FMAs, K split in two
+    MoeConfig(16, 16, 16, 2, 4, 3),  # tl.dot, K split in two
+]
+# every launch at each top_k, less the slowest to interpret (K split FMAs at top 8)
+SUMMING_CASES = [
+    (c, k) for k in (1, 2, 8) for c in LAUNCHES if (c.split, c.block_m, k) != (2, 1, 8)
+]
+
+
+def summing_problem(top_k, dtype):
+    """6 tokens of top_k over 10 experts, odd sizes (hidden 37, intermediate 23): every routed
+    token's first choice is expert 4 (one block of several pairs, or several blocks of one
+    expert), token 2 routes only its first choice (the rest -1), token 4 is padding."""
+    x, w13, w2, _, weights = problem(6, 10, top_k, 37, 23, seed=5)
+    g = torch.Generator().manual_seed(6)
+    others = [torch.randperm(9, generator=g)[: top_k - 1].add(5).remainder(10) for _ in range(6)]
+    ids = torch.stack([torch.cat([torch.tensor([4]), o]) for o in others]).to(torch.int32)
+    ids[2, 1:] = -1
+    ids[4] = -1
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights
+
+
+def summed_down(h, w2, ids, weights):
+    """float64: out[t] = sum over t's routed choices k of weights[t, k] * w2[e] @ h[t * K + k]."""
+    top_k = ids.shape[1]
+    out = torch.zeros(ids.shape[0], w2.shape[1], dtype=torch.float64)
+    for t in range(ids.shape[0]):
+        for k in range(top_k):
+            if ids[t, k] >= 0:
+                row = h[t * top_k + k].double()
+                out[t] += float(weights[t, k]) * (w2[ids[t, k]].double() @ row)
+    return out
+
+
+@pytest.mark.parametrize("config, top_k", SUMMING_CASES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
+def test_the_down_gemm_sums_each_tokens_choices(monkeypatch, config, top_k, dtype, tol):
+    """The down GEMM alone, [T, H] out filled with NaN first: each token's weighted sum over
+    its routed choices, float64 math written here; a token routed nowhere gets a row of zeros;
+    a second launch the same bits (the counts went back to 0)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    _, _, w2, ids, weights = summing_problem(top_k, dtype)
+    h = torch.randn(ids.numel(), w2.shape[2], generator=torch.Generator().manual_seed(7))
+    h = h.to(dtype)
+    want = summed_down(h, w2, ids, weights)
+    sorted_ids, block_experts = align(ids, 10, config.block_m)
+    flat = weights.reshape(-1).float().contiguous()
+    outs = []
+    for _ in range(2):
+        out = torch.full((6, w2.shape[1]), float("nan"), dtype=dtype)
+        moe.moe_gemm(h, w2, out, sorted_ids, block_experts, flat, 1, False, config, sum_ids=ids)
+        outs.append(out)
+    size = want.abs().max().item()
+    torch.testing.assert_close(outs[0].double(), want, rtol=tol, atol=tol * size)
+    assert torch.equal(outs[0][4], torch.zeros(w2.shape[1], dtype=dtype))
+    assert torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("config, top_k", [case for case in SUMMING_CASES if case[1] > 1])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
+def test_the_summing_layer_equals_float64_math_and_the_old_sum(monkeypatch, config, top_k, dtype,
+                                                                tol):  # fmt: skip
+    """fused_moe at decode sizes (the down GEMM sums) against float64 math and the torch twin,
+    and against the zeroed output and sum kernel it replaced (SUM_PAIRS 0): the same up to
+    the bf16 rounding of each choice's row, which the old path stored."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w13, w2, ids, weights = summing_problem(top_k, dtype)
+    want = reference(x, w13, w2, ids, weights)
+    got = fused_moe(x, w13, w2, ids, weights, configs=(config, config))
+    size = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * size)
+    torch.testing.assert_close(got, fused_moe_torch(x, w13, w2, ids, weights), rtol=tol,
+                               atol=tol * size)  # fmt: skip
+    assert got[4].abs().max() == 0
+    monkeypatch.setattr(moe, "SUM_PAIRS", 0)
+    old = fused_moe(x, w13, w2, ids, weights, configs=(config, config))
+    torch.testing.assert_close(got, old, rtol=tol, atol=tol * size)
+
+
+def routing64(logits, top_k, renormalize, slots):
+    """float64: softmax, the top_k largest (the lowest expert first on a tie), renormalised if
+    asked; padded tokens' choices -1."""
+    p = torch.softmax(logits.double(), -1)
+    order = torch.sort(-p, dim=-1, stable=True).indices[:, :top_k]
+    weights = p.gather(-1, order)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, order.masked_fill(slots[:, None] < 0, -1).to(torch.int32)
+
+
+@pytest.mark.parametrize("route_tile", [moe.ROUTE_TILE, 32])  # 32: two tokens a step
+@pytest.mark.parametrize("block_m", [1, 16])
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_and_align_in_one_program(monkeypatch, dtype, top_k, renormalize, block_m,
+                                        route_tile):  # fmt: skip
+    """The one-program route + align against float64 routing written here and align_torch:
+    7 tokens over 12 experts, a tie (lowest expert first), two padded tokens (slot -1).
+    Renormalised, the weights are Mixtral's: the softmax of the top_k logits."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moe, "ROUTE_TILE", route_tile)
+    logits = (torch.randn(7, 12, generator=torch.Generator().manual_seed(8)) * 3).to(dtype)
+    logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie for the first choice
+    slots = torch.tensor([5, 9, -1, 2, 11, 12, -1])
+    weights, ids, (sorted_ids, block_experts) = moe.route_and_align(
+        logits, top_k, renormalize, slots, block_m
+    )
+    want_w, want_ids = routing64(logits, top_k, renormalize, slots)
+    assert torch.equal(ids, want_ids)
+    assert ids[1, 0] == 3
+    live = slots >= 0
+    torch.testing.assert_close(weights[live].double(), want_w[live], rtol=1e-6, atol=1e-7)
+    if renormalize:
+        top = logits.double().topk(top_k, -1).values
+        torch.testing.assert_close(weights[live].double(), torch.softmax(top, -1)[live],
+                                   rtol=1e-6, atol=1e-7)  # fmt: skip
+    blocks = num_blocks(ids.numel(), 12, block_m)
+    want_sorted, want_experts = align_torch(want_ids, 12, block_m, blocks)
+    assert torch.equal(sorted_ids, want_sorted) and torch.equal(block_experts, want_experts)
+    route_w, route_ids = moe.route(logits, top_k, renormalize, slots)  # the per-token kernel
+    assert torch.equal(route_ids, ids) and torch.equal(route_w, weights)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(3, 2), (40, 2)])  # FMAs; tl.dot with K split
+def test_routed_moe_equals_float64_math(monkeypatch, tokens, top_k):
+    """A layer from its router's logits (route and align in one program, the summing down
+    GEMM) against float64 routing and experts written here; padded tokens add nothing."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, w13, w2, _, _ = problem(tokens, 6, top_k, 48, 40, seed=9)
+    logits = torch.randn(tokens, 6, generator=torch.Generator().manual_seed(10))
+    slots = torch.arange(tokens)
+    slots[-1] = -1
+    got = moe.routed_moe(x, logits, w13, w2, top_k, True, slots)
+    weights, ids = routing64(logits, top_k, True, slots)
+    want = reference(x, w13, w2, ids, weights)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    assert got[-1].abs().max() == 0

@@ -3,12 +3,14 @@
 The (token, choice) pairs are sorted by expert on the device and each expert's run padded to
 whole blocks of block_m pairs (`align`); one grouped GEMM reads each active expert's gate|up
 rows once per block and applies SiLU-and-mul before storing, a second multiplies by the down
-projection and the routing weight; the k choices of a token are then summed. The sizes depend
-only on the token count, never on the routing, so nothing waits for the host and a step is
-capturable whole. A pair routed to expert -1 (a padded token) goes to no block: it costs
-nothing and adds zero. Large batches take blocks of 16 pairs through tl.dot; decode batches,
-whose blocks hold one or a few real pairs, FMAs over blocks of one pair or tl.dot with K split
-over programs (`moe_config`), so the few active experts' weights stream at the copy rate.
+projection and the routing weight; the k choices of a token are then summed (at decode sizes
+by the down GEMM itself, _sum_choices, with route and align one program: route_and_align).
+The sizes depend only on the token count, never on the routing, so nothing waits for the host
+and a step is capturable whole. A pair routed to expert -1 (a padded token) goes to no block:
+it costs nothing and adds zero. Large batches take blocks of 16 pairs through tl.dot;
+decode batches, whose blocks hold one or a few real pairs, FMAs over blocks of one pair or
+tl.dot with K split over programs (`moe_config`), so the few active experts' weights stream
+at the copy rate.
 """
 
 from __future__ import annotations
@@ -57,37 +59,53 @@ def route_torch(logits, top_k, renormalize, slots=None):
 
 
 @jit
+def _route_rows(
+    logits_ptr, slots_ptr, w_ptr, ids_ptr, t, T, E, stride_l,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
+):  # fmt: skip
+    """Tokens t ([BLOCK_T], those from T on skipped): softmax, then the largest probability
+    TOP_K times (the lowest expert on a tie), each taken out before the next; stored at
+    w_ptr / ids_ptr [T, TOP_K]."""
+    e = tl.arange(0, BLOCK_E)
+    t_ok = t < T
+    ok = t_ok[:, None] & (e < E)[None, :]
+    logit = tl.load(logits_ptr + t.to(tl.int64)[:, None] * stride_l + e[None, :], mask=ok,
+                    other=-float("inf")).to(tl.float32)  # fmt: skip
+    logit = tl.where(t_ok[:, None], logit, 0.0)  # rows past T: finite, never stored
+    p = tl.where((e < E)[None, :], tl.exp(logit - tl.max(logit, axis=1)[:, None]), 0.0)
+    p = p / tl.sum(p, axis=1)[:, None]
+    k = tl.arange(0, K_P2)[None, :]
+    weights = tl.zeros([BLOCK_T, K_P2], tl.float32)
+    ids = tl.zeros([BLOCK_T, K_P2], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)[:, None]
+        pick = tl.min(tl.where(p == best, e[None, :], BLOCK_E), axis=1)[:, None]
+        weights = tl.where(k == j, best, weights)
+        ids = tl.where(k == j, pick, ids)
+        p = tl.where(e[None, :] == pick, -1.0, p)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    if HAS_SLOTS:
+        ids = tl.where(tl.load(slots_ptr + t, mask=t_ok, other=0)[:, None] < 0, -1, ids)
+    out = t.to(tl.int64)[:, None] * TOP_K + k
+    tl.store(w_ptr + out, weights, mask=t_ok[:, None] & (k < TOP_K))
+    tl.store(ids_ptr + out, ids, mask=t_ok[:, None] & (k < TOP_K))
+
+
+@jit
 def _route_kernel(
-    logits_ptr, slots_ptr, w_ptr, ids_ptr, E, stride_l,
+    logits_ptr, slots_ptr, w_ptr, ids_ptr, T, E, stride_l,
     TOP_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
     HAS_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """One token: softmax, then the largest probability TOP_K times (the lowest expert on a
-    tie), each taken out before the next."""
+    """One token a program."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    logit = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=-float("inf")).to(tl.float32)
-    p = tl.where(ok, tl.exp(logit - tl.max(logit, axis=0)), 0.0)
-    p = p / tl.sum(p, axis=0)
-    k = tl.arange(0, K_P2)
-    weights = tl.zeros([K_P2], tl.float32)
-    ids = tl.zeros([K_P2], tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
-        weights = tl.where(k == j, best, weights)
-        ids = tl.where(k == j, pick, ids)
-        p = tl.where(e == pick, -1.0, p)
-    if RENORM:
-        weights = weights / tl.sum(weights, axis=0)
-    if HAS_SLOTS:
-        ids = tl.where(tl.load(slots_ptr + t) < 0, -1, ids)
-    tl.store(w_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
+    t = tl.program_id(0) + tl.arange(0, 1)
+    _route_rows(logits_ptr, slots_ptr, w_ptr, ids_ptr, t, T, E, stride_l, TOP_K, K_P2, 1,
+                BLOCK_E, RENORM, HAS_SLOTS)  # fmt: skip
 
 
 def _route_triton(logits, top_k, renormalize, slots):
@@ -96,8 +114,8 @@ def _route_triton(logits, top_k, renormalize, slots):
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](
-            logits, logits if slots is None else slots, weights, ids, experts, logits.stride(0),
-            TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
+            logits, logits if slots is None else slots, weights, ids, tokens, experts,
+            logits.stride(0), TOP_K=top_k, K_P2=triton.next_power_of_2(top_k),
             BLOCK_E=triton.next_power_of_2(experts), RENORM=renormalize,
             HAS_SLOTS=slots is not None, **pdl_options(),
         )  # fmt: skip
@@ -111,13 +129,33 @@ def fused_moe(
     topk_ids: torch.Tensor,  # int [T, K]; -1: this choice goes nowhere
     topk_weights: torch.Tensor,  # float32 [T, K]
     configs: tuple[MoeConfig, MoeConfig] | None = None,  # gate|up's and down's launches
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,  # align(topk_ids, ...), if done
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]
     -> [T, H] in x's dtype. On the GPU in moe_config's launches or those given (benchmarks
     time others)."""
     if use_triton(x):
-        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs)
+        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs, aligned)
     return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
+
+
+def routed_moe(
+    x: torch.Tensor,  # [T, H]
+    logits: torch.Tensor,  # [T, E]: the router's
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    slots: torch.Tensor | None = None,  # [T] KV slots: a token with slot -1 is padding
+) -> torch.Tensor:
+    """A sparse MoE layer from its router's logits: route, then fused_moe. On the GPU at
+    decode sizes three kernels: route_and_align, gate|up, down summing each token's choices."""
+    if not use_triton(x):
+        weights, ids = route_torch(logits, top_k, renormalize, slots)
+        return fused_moe_torch(x, w13, w2, ids, weights)
+    configs = moe_configs(x.shape[0] * top_k, w13, w2, x.device)
+    weights, ids, aligned = route_and_align(logits, top_k, renormalize, slots, configs[0].block_m)
+    return _fused_moe_triton(x, w13, w2, ids, weights, configs, aligned)
 
 
 def fused_moe_torch(x, w13, w2, topk_ids, topk_weights):
@@ -179,16 +217,13 @@ def align_torch(topk_ids, num_experts, block_m, blocks):
 
 
 @jit
-def _align_kernel(
+def _align_pairs(
     ids_ptr, sorted_ptr, experts_ptr, n, E, num_blocks,
     BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
-    FILL: tl.constexpr, PDL: tl.constexpr,
+    FILL: tl.constexpr,
 ):  # fmt: skip
     """align() in one program: counts per expert, each pair's rank among its expert's pairs
     (a running count down the one-hot matrix), its slot, then each block's expert."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     i = tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + i, mask=i < n, other=-1)
     live = (i < n) & (e >= 0)
@@ -212,18 +247,93 @@ def _align_kernel(
     tl.store(experts_ptr + b, tl.where(expert < E, expert, -1), mask=b < num_blocks)
 
 
+@jit
+def _align_kernel(
+    ids_ptr, sorted_ptr, experts_ptr, n, E, num_blocks,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr,
+    FILL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    _align_pairs(ids_ptr, sorted_ptr, experts_ptr, n, E, num_blocks, BLOCK_N, BLOCK_E, BLOCK_B,
+                 BLOCK_M, FILL)  # fmt: skip
+
+
 def _align_triton(topk_ids, num_experts, block_m, blocks):
-    n, device = topk_ids.numel(), topk_ids.device
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
-    block_experts = torch.empty(blocks, dtype=torch.int32, device=device)
+    sorted_ids, block_experts = _aligned_outputs(blocks, block_m, topk_ids.device)
     _align_kernel[(1,)](
-        topk_ids.reshape(-1), sorted_ids, block_experts, n, num_experts, blocks,
-        BLOCK_N=max(16, triton.next_power_of_2(n)),
-        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_B=max(16, triton.next_power_of_2(blocks)), BLOCK_M=block_m,
-        FILL=blocks * block_m, num_warps=8, **pdl_options(),
+        topk_ids.reshape(-1), sorted_ids, block_experts, topk_ids.numel(), num_experts, blocks,
+        **_align_sizes(topk_ids.numel(), num_experts, block_m, blocks), num_warps=8,
+        **pdl_options(),
     )  # fmt: skip
     return sorted_ids, block_experts
+
+
+def _aligned_outputs(blocks, block_m, device):
+    return (torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+            torch.empty(blocks, dtype=torch.int32, device=device))  # fmt: skip
+
+
+def _align_sizes(n, num_experts, block_m, blocks):
+    return {"BLOCK_N": max(16, triton.next_power_of_2(n)),
+            "BLOCK_E": max(16, triton.next_power_of_2(num_experts)),
+            "BLOCK_B": max(16, triton.next_power_of_2(blocks)), "BLOCK_M": block_m,
+            "FILL": blocks * block_m}  # fmt: skip
+
+
+def route_and_align(
+    logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    renormalize: bool,
+    slots: torch.Tensor | None,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """route() and then align() of its choices -> (weights, ids, (sorted_ids, block_experts));
+    one Triton program for both where align takes one (decode batches)."""
+    tokens, experts = logits.shape
+    n = tokens * top_k
+    fused = use_triton(logits) and 0 < n <= FUSED_ALIGN_PAIRS and experts <= FUSED_ALIGN_EXPERTS
+    if not fused:
+        weights, ids = route(logits, top_k, renormalize, slots)
+        return weights, ids, align(ids, experts, block_m)
+    device = logits.device
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    blocks = num_blocks(n, experts, block_m)
+    sorted_ids, block_experts = _aligned_outputs(blocks, block_m, device)
+    sizes = _align_sizes(n, experts, block_m, blocks)
+    _route_align_kernel[(1,)](
+        logits, logits if slots is None else slots, weights, ids, sorted_ids, block_experts,
+        tokens, experts, logits.stride(0), blocks, TOP_K=top_k,
+        K_P2=triton.next_power_of_2(top_k), RENORM=renormalize, HAS_SLOTS=slots is not None,
+        BLOCK_T=min(triton.next_power_of_2(tokens), max(1, ROUTE_TILE // sizes["BLOCK_E"])),
+        **sizes, num_warps=8, **pdl_options(),
+    )  # fmt: skip
+    return weights, ids, (sorted_ids, block_experts)
+
+
+ROUTE_TILE = 4096  # logits one step of the fused route holds: 16 a thread of 8 warps
+
+
+@jit
+def _route_align_kernel(
+    logits_ptr, slots_ptr, w_ptr, ids_ptr, sorted_ptr, experts_ptr, T, E, stride_l, num_blocks,
+    TOP_K: tl.constexpr, K_P2: tl.constexpr, RENORM: tl.constexpr, HAS_SLOTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """route_and_align in one program: the tokens' choices, BLOCK_T tokens a step, then the
+    sort of their pairs, which reads the choices back."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for t0 in range(0, T, BLOCK_T):
+        _route_rows(logits_ptr, slots_ptr, w_ptr, ids_ptr, t0 + tl.arange(0, BLOCK_T), T, E,
+                    stride_l, TOP_K, K_P2, BLOCK_T, BLOCK_E, RENORM, HAS_SLOTS)  # fmt: skip
+    tl.debug_barrier()  # every choice stored before the sort reads them
+    _align_pairs(ids_ptr, sorted_ptr, experts_ptr, T * TOP_K, E, num_blocks, BLOCK_N, BLOCK_E,
+                 BLOCK_B, BLOCK_M, FILL)  # fmt: skip
 
 
 class MoeConfig(NamedTuple):
@@ -250,6 +360,9 @@ MAX_SPAN = 4096  # FMAs: longer rows split over programs
 FMA_PROGRAMS = 512  # FMAs: enough programs to keep every SM's memory pipe busy
 SMALL_PAIRS = 256  # up to here (32 tokens) tl.dot with SMALL_DOT, K split to fill the GPU
 SMALL_DOT = MoeConfig(DOT_BLOCK_M, 64, 128, 1, 4, 4)
+# up to here the down GEMM sums each token's choices itself (_sum_choices): no zeroed output,
+# no sum kernel; above, its blocks cover most tokens' choices at once and the sum kernel stays
+SUM_PAIRS = SMALL_PAIRS
 LARGE_DOT = MoeConfig(DOT_BLOCK_M, 64, 64, 1, 4, 3)  # every batch's launch before issue 21
 
 
@@ -304,10 +417,12 @@ def _span(k: int, config: MoeConfig) -> tuple[int, int]:
 @jit(do_not_specialize=["num_pairs"])  # one compiled kernel serves every batch size
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ptr, experts_ptr, weights_ptr, part_ptr, sem_ptr,
+    ids_ptr, rows_ptr, counts_ptr,
     N, K, num_pairs, stride_am, stride_we, stride_wn, stride_om,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr,
-    SPLIT: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, SUM_K: tl.constexpr, K_P2: tl.constexpr, F32_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One block of pairs of one expert x BLOCK_N output columns x SPAN columns of K (split
     program_id(2) of SPLIT): out[pair] = a[pair // A_ROW_DIV] @ w[e].T; GATED: silu(gate) *
@@ -323,10 +438,16 @@ def _moe_gemm_kernel(
     N or 2N] and counts itself in sem_ptr[tile]; the last of a tile's programs sums the
     partials in split order (the same sum on every run), resets the count to 0 for the next
     launch, and finishes the tile. No program waits for another (fp8.py's GEMV does the
-    same)."""
+    same).
+
+    SUM_K > 0 (the down GEMM at decode sizes): out is [T, N], each token's sum over its
+    SUM_K choices (ids_ptr [T, SUM_K]); see _sum_choices. The programs of block 0 write zero
+    rows for the tokens routed nowhere (a graph's padding), which no pair sums into."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if SUM_K > 0:
+        _zero_unrouted(ids_ptr, out_ptr, num_pairs // SUM_K, N, stride_om, SUM_K, K_P2, BLOCK_N)
     e = tl.load(experts_ptr + tl.program_id(0))
     if e >= 0:
         pairs = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -398,8 +519,65 @@ def _moe_gemm_kernel(
             acc = acc * tl.sigmoid(acc) * up
         if WEIGHTED:
             acc *= tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
-        out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+        if SUM_K > 0:
+            _sum_choices(acc, pairs, ok, cols, col_ok, N, ids_ptr, rows_ptr, counts_ptr,
+                         out_ptr, stride_om, SUM_K, K_P2)  # fmt: skip
+        else:
+            out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def _sum_choices(
+    acc, pairs, ok, cols, col_ok, N, ids_ptr, rows_ptr, counts_ptr, out_ptr, stride_om,
+    SUM_K: tl.constexpr, K_P2: tl.constexpr,
+):  # fmt: skip
+    """The down GEMM's epilogue at decode sizes, in place of a zeroed [pairs, N] output and
+    a sum kernel: the block's weighted pair rows (acc, where ok) are stored in fp32 at
+    rows_ptr [pairs, N], and each pair counts itself at its (token, column tile) count; the
+    last of a token's routed choices to arrive (choices to -1 have no block and are not
+    waited for) sums the token's rows in choice order, the same sum on every run, stores it
+    in out [T, N] and resets the count for the next launch (the split counts' scheme)."""
+    tl.store(rows_ptr + pairs.to(tl.int64)[:, None] * N + cols[None, :], acc, mask=ok)
+    tl.debug_barrier()  # every thread's rows stored before the count releases them
+    mine = tl.max(ok.to(tl.int32), axis=1) > 0  # the pairs this program finished
+    token = pairs // SUM_K
+    first = token.to(tl.int64) * SUM_K  # the token's first pair
+    k = tl.arange(0, K_P2)[None, :]
+    routed = tl.load(ids_ptr + first[:, None] + k, mask=mine[:, None] & (k < SUM_K),
+                     other=-1) >= 0  # fmt: skip
+    count = counts_ptr + token * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(count, 1, mask=mine, sem="acq_rel", scope="gpu")
+    last = mine & (arrived == tl.sum(routed.to(tl.int32), axis=1) - 1)
+    total = tl.zeros_like(acc)
+    for j in tl.static_range(SUM_K):  # .cg: from L2, where the other SMs wrote
+        use = last & (tl.sum(tl.where(routed & (k == j), 1, 0), axis=1) > 0)
+        total += tl.load(rows_ptr + (first + j)[:, None] * N + cols[None, :],
+                         mask=use[:, None] & col_ok[None, :], other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+    out = out_ptr + token.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=last[:, None] & col_ok[None, :])
+    tl.store(count, 0, mask=last)
+
+
+@jit
+def _zero_unrouted(
+    ids_ptr, out_ptr, T, N, stride_om,
+    SUM_K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """In the programs of block 0 (and the first split): zero out's rows, in the program's
+    column tile, of the tokens whose every choice is -1."""
+    if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, K_P2)[None, :]
+        for t0 in range(0, T, 16):
+            t = t0 + tl.arange(0, 16)
+            ids = tl.load(ids_ptr + t[:, None] * SUM_K + k,
+                          mask=(t < T)[:, None] & (k < SUM_K), other=-1)  # fmt: skip
+            unrouted = (tl.max(ids, axis=1) < 0) & (t < T)
+            zeros = tl.zeros([16, BLOCK_N], out_ptr.dtype.element_ty)
+            tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_om + cols[None, :], zeros,
+                     mask=unrouted[:, None] & (cols < N)[None, :])  # fmt: skip
 
 
 @jit
@@ -414,36 +592,51 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
 def moe_gemm(
     a: torch.Tensor,  # [rows, K]: tokens (gate|up) or pairs (down)
     w: torch.Tensor,  # [E, N or 2N, K]
-    out: torch.Tensor,  # [pairs, N]: the pairs of no block are left as they were
+    out: torch.Tensor,  # [pairs, N]: the pairs of no block are left as they were; [T, N] summed
     sorted_ids: torch.Tensor,
     block_experts: torch.Tensor,  # align's, with config.block_m
     weights: torch.Tensor | None,  # float32 [pairs]: times each pair's routing weight
     a_row_div: int,  # pair p reads row p // a_row_div of a
     gated: bool,
     config: MoeConfig,
+    sum_ids: torch.Tensor | None = None,  # int [T, K]: out is each token's sum over its choices
 ) -> None:
     """One grouped GEMM of fused_moe (Triton only), in the launch given."""
-    pairs, n = out.shape
+    n = out.shape[1]
+    pairs = out.shape[0] if sum_ids is None else sum_ids.numel()
     k = a.shape[1]
     span, split = _span(k, config)
     blocks, tiles = block_experts.shape[0], triton.cdiv(n, config.block_n)
     assert config.block_m == 1 or config.block_m >= DOT_BLOCK_M
     assert sorted_ids.shape[0] == blocks * config.block_m
-    part = sem = out  # unused without a split
+    part = sem = rows = counts = out  # unused without a split, without a sum
     if split > 1:
         assert blocks * tiles <= SPLIT_COUNTS, "a split launch counts each tile"
         part = torch.empty(split, pairs, 2 * n if gated else n, dtype=torch.float32,
                            device=out.device)  # fmt: skip
         sem = split_counts(out.device, "MoE GEMM")
+    if sum_ids is not None:
+        assert sums_fit(sum_ids.shape[0], blocks, tiles), "a summing launch counts each row"
+        rows = torch.empty(pairs, n, dtype=torch.float32, device=out.device)
+        counts = split_counts(out.device, "MoE GEMM")[blocks * tiles :]  # past the split's
     grid = (blocks, tiles, split)
     _moe_gemm_kernel[grid](
         a, w, out, sorted_ids, block_experts, out if weights is None else weights, part, sem,
+        out if sum_ids is None else sum_ids, rows, counts,
         n, k, pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPAN=span,
-        SPLIT=split, F32_DOT=a.dtype == torch.float32 or interpreting(),
+        SPLIT=split, SUM_K=0 if sum_ids is None else sum_ids.shape[1],
+        K_P2=1 if sum_ids is None else triton.next_power_of_2(sum_ids.shape[1]),
+        F32_DOT=a.dtype == torch.float32 or interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(),
     )  # fmt: skip
+
+
+def sums_fit(tokens: int, blocks: int, tiles: int) -> bool:
+    """Whether the counts hold a summing launch's: its split's (blocks x tiles), then one per
+    token and column tile."""
+    return (blocks + tokens) * tiles <= SPLIT_COUNTS
 
 
 def moe_configs(
@@ -458,20 +651,26 @@ def moe_configs(
     )
 
 
-def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs=None):
+def _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs=None, aligned=None):
     tokens, top_k = topk_ids.shape
     pairs = tokens * top_k
     inter, hidden = w2.shape[2], w2.shape[1]
-    # unwritten pairs (routed nowhere) must add zero
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)
     if pairs == 0:
-        return out.view(tokens, hidden)
+        return torch.zeros(tokens, hidden, dtype=x.dtype, device=x.device)
     assert x.stride(1) == w13.stride(2) == w2.stride(2) == 1
     up_config, down_config = configs or moe_configs(pairs, w13, w2, x.device)
     assert up_config.block_m == down_config.block_m
-    sorted_ids, block_experts = align(topk_ids, w13.shape[0], up_config.block_m)
+    sorted_ids, block_experts = aligned or align(topk_ids, w13.shape[0], up_config.block_m)
     weights = topk_weights.reshape(-1).float().contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     moe_gemm(x, w13, h, sorted_ids, block_experts, None, top_k, True, up_config)
+    tiles = triton.cdiv(hidden, down_config.block_n)
+    if pairs <= SUM_PAIRS and sums_fit(tokens, block_experts.shape[0], tiles):
+        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+        moe_gemm(h, w2, out, sorted_ids, block_experts, weights, 1, False, down_config,
+                 sum_ids=topk_ids.int().contiguous())  # fmt: skip
+        return out
+    # unwritten pairs (routed nowhere) must add zero
+    out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)
     moe_gemm(h, w2, out, sorted_ids, block_experts, weights, 1, False, down_config)
     return out.view(tokens, top_k, hidden).sum(1)  # float32 accumulation, one kernel

@@ -1,6 +1,7 @@
 """A sparse mixture-of-experts block: a router picks each token's top-k experts on the device
 (softmax, top-k, renormalised as the model defines it), the fused kernel (kernels/moe.py) runs
-their SiLU MLPs.
+their SiLU MLPs. The router's projection takes the small-batch kernel where it pays (a decode
+batch), as the dense projections do.
 
 Under tensor parallelism every rank holds every expert and its share of each expert's
 intermediate features (gate|up rows and down columns, as a dense MLP splits them): each rank's
@@ -15,7 +16,8 @@ from torch import nn
 
 from ostinato.context import current_forward_context
 from ostinato.distributed.parallel import tp_group
-from ostinato.kernels.moe import fused_moe, route
+from ostinato.kernels.moe import routed_moe
+from ostinato.layers.linear import project
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
@@ -53,8 +55,14 @@ class FusedMoE(nn.Module):
         self.w13.weight_loader, self.w2.weight_loader = self.load_w13, self.load_w2
         self.inter, self.full_inter = inter, intermediate_size
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = fused_moe(x, self.w13, self.w2, ids, weights)
+    def forward(
+        self,
+        x: torch.Tensor,
+        logits: torch.Tensor,  # the router's [T, E]
+        renormalize: bool,
+        slots: torch.Tensor | None = None,  # [T] KV slots: a token with slot -1 is padding
+    ) -> torch.Tensor:
+        out = routed_moe(x, logits, self.w13, self.w2, self.top_k, renormalize, slots)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)
 
     def load_w13(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
@@ -106,6 +114,5 @@ class SparseMoeBlock(nn.Module):
         if norm is not None:
             normed, residual = norm.stream(x, residual)
             return self(normed), residual
-        slots = padding_slots(x.shape[0])
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize, slots)
-        return self.experts(x, weights, ids)
+        logits = project(x, self.gate.weight)
+        return self.experts(x, logits, self.renormalize, padding_slots(x.shape[0]))

@@ -7,16 +7,20 @@ import pytest
 import torch
 from helpers import make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
-from test_moe_kernels import crowded, problem, reference
+from test_moe_kernels import crowded, problem, reference, routing64
 
+from ostinato.kernels import moe
 from ostinato.kernels.moe import (
     MoeConfig,
     align,
     align_torch,
     fused_moe,
+    fused_moe_torch,
     num_blocks,
     route,
+    route_and_align,
     route_torch,
+    routed_moe,
 )
 
 pytestmark = pytest.mark.gpu
@@ -89,6 +93,68 @@ def test_crowded_routing_in_every_launch():
         got = fused_moe(*(t.cuda() for t in (x, w13, w2, ids, weights)), configs=(config, config))
         torch.testing.assert_close(got.double().cpu(), reference(x, w13, w2, ids, weights),
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b_experts():
+    """One qwen3-30b-a3b MoE layer, bf16: router [128, 2048], w13 [128, 1536, 2048], w2
+    [128, 2048, 768]."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=g, device="cuda").mul_(0.02).bfloat16()
+    return make(128, 2048), make(128, 1536, 2048), make(128, 2048, 768)
+
+
+def _captured(fn, *inputs):
+    """fn(*inputs) run once eagerly (allocations, compiles), then captured in a CUDA graph:
+    -> (the graph, its outputs), to replay after new values are copied into inputs."""
+    fn(*inputs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*inputs)
+    return graph, outputs
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_decode_moe_kernels_in_a_cuda_graph_equal_their_references(qwen3_30b_experts, tokens):
+    """qwen3-30b-a3b's decode sizes, replayed in a CUDA graph with inputs the capture never saw
+    (a padded token among them): route_and_align (one program) equals float64 routing and
+    align_torch; the layer (its down GEMM summing each token's choices) equals the torch twin
+    in float32 and the zeroed output and sum kernel it replaced (SUM_PAIRS 0)."""
+    gate, w13, w2 = qwen3_30b_experts
+    x = torch.empty(tokens, 2048, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(tokens, device="cuda")
+    block_m = moe.moe_configs(tokens * 8, w13, w2, x.device)[0].block_m
+    logits = torch.empty(tokens, 128, device="cuda", dtype=torch.bfloat16)
+    routing = _captured(lambda lg, s: route_and_align(lg, 8, True, s, block_m), logits, slots)
+    layer = _captured(lambda x, lg, s: routed_moe(x, lg, w13, w2, 8, True, s), x, logits, slots)
+    for seed in range(2):
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        x.copy_(torch.randn(tokens, 2048, generator=g, device="cuda"))
+        logits.copy_(x @ gate.T)
+        slots.copy_(torch.arange(tokens, device="cuda"))
+        slots[-1] = -1 if tokens > 1 else 0
+        for graph, _ in (routing, layer):
+            graph.replay()
+        weights, ids, (sorted_ids, block_experts) = routing[1]
+        want_w, want_ids = routing64(logits, 8, True, slots)  # bf16 logits tie: lowest first
+        assert torch.equal(ids, want_ids)
+        live = slots >= 0
+        torch.testing.assert_close(weights[live].double(), want_w[live], rtol=1e-5, atol=1e-6)
+        blocks = num_blocks(tokens * 8, 128, block_m)
+        want_sorted, want_experts = align_torch(want_ids, 128, block_m, blocks)
+        assert torch.equal(sorted_ids, want_sorted) and torch.equal(block_experts, want_experts)
+        got = layer[1].float()
+        want_w = want_w.float()
+        want = fused_moe_torch(x.float(), w13.float(), w2.float(), want_ids, want_w)
+        size = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * size)
+        if tokens > 1:
+            assert got[-1].abs().max() == 0
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe, "SUM_PAIRS", 0)
+            old = fused_moe(x, w13, w2, want_ids, want_w).float()
+        torch.testing.assert_close(got, old, rtol=1e-2, atol=1e-2 * size)
 
 
 def test_every_mode_matches_eager_token_for_token(checkpoint):
