@@ -402,7 +402,7 @@ def fp8_rows(copy_bw: float) -> list[list[str]]:
             small = m <= fp8_gemv_before.ROWS
             before = fp8_gemv_before.gemv_before if small else fp8._scaled_mm
             config = fp8.gemv_config(m, n, k, None, sms)
-            paths = {}  # fp8_dot -> seconds of gemv_config's launch with FP8_DOT so
+            paths = {}  # fp8_dot -> seconds of gemv_config's launch with the FP8 dot or not
             for fp8_dot in (False, True) if m > 1 else ():
                 launch = _fp8_config(m, n, k, sms, fp8_dot)
                 paths[fp8_dot] = _ring_seconds(
@@ -428,12 +428,12 @@ def fp8_rows(copy_bw: float) -> list[list[str]]:
 
 
 def _fp8_config(m: int, n: int, k: int, sms: int, fp8_dot: bool):
-    """gemv_config's launch with fp8.FP8_DOT set to fp8_dot."""
-    saved, fp8.FP8_DOT = fp8.FP8_DOT, fp8_dot
+    """gemv_config's launch with the FP8 dot at every row count (fp8_dot) or at none."""
+    saved, fp8.FP8_DOT_ROWS = fp8.FP8_DOT_ROWS, fp8.GEMV_ROWS if fp8_dot else 0
     try:
         return fp8.gemv_config(m, n, k, None, sms)
     finally:
-        fp8.FP8_DOT = saved
+        fp8.FP8_DOT_ROWS = saved
 
 
 def fp8_sweep_rows(copy_bw: float) -> list[list[str]]:
@@ -1039,7 +1039,7 @@ def main() -> None:
                 fp8_rows(copy_bw),
             )  # fmt: skip
             + "\n\nweight-only dot / FP8 dot: the kernel's tl.dot rows in gemv_config's launch "
-            "with fp8.FP8_DOT off (x bfloat16, the weights widened) and on (x quantised to FP8 "
+            "with the FP8 dot off (x bfloat16, the weights widened) and on (x quantised to FP8 "
             "per group of 128 columns). before: the kernel this one replaced "
             "(`benchmarks/fp8_gemv_before.py`) up to 8 rows; above, `_scaled_mm` (x quantised "
             "per token, cuBLAS FP8), which fp8_linear took there."

@@ -108,7 +108,7 @@ decode-diag)  # MODEL (~4 min): where a small model's decode step spends its dev
   ;;
 fp8dot)  # OFF_TREE (~8 min): the FP8 small-batch kernel's FP8 x FP8 dot rows: the FP8 GPU tests,
   # the kernel table and sweep, then llama-3.1-8b FP8 decode with the dot rows on, off (a copy
-  # of the tree with fp8.FP8_DOT = False) and on again (the control)
+  # of the tree with fp8.FP8_DOT_ROWS = 0) and on again (the control)
   info | tee "$OUT/env.txt"
   timeout 150 python3 -m pytest tests/gpu/test_fp8.py -q -p no:cacheprovider -o addopts="" -rs \
     2>&1 | tee "$OUT/fp8-tests.log" | tail -n 12

@@ -126,9 +126,9 @@ def test_fp8_gemv_equals_float64_math(monkeypatch, rows, n, k, block):
     """The small-batch kernel (up to GEMV_ROWS rows) on FP8 weights of every magnitude
     (subnormals included) and random scales, one per row or per block, against x @ (w *
     scale).T in float64; x a view with a row stride of its own. The tl.dot rows weight-only
-    (FP8_DOT off: the bfloat16 dot on widened weights)."""
+    (FP8_DOT_ROWS 0: the bfloat16 dot on widened weights)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(fp8, "FP8_DOT", False)
+    monkeypatch.setattr(fp8, "FP8_DOT_ROWS", 0)
     assert rows <= GEMV_ROWS
     g = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, k + 5, generator=g)[:, :k]
@@ -186,11 +186,13 @@ def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
 def test_fp8_dot_rows_equal_float64_math_of_x_quantised_per_group(
     monkeypatch, rows, n, k, block, config
 ):
-    """2-32 rows of half-precision x (FP8_DOT): x quantised per (row, 128 columns, or the
-    scale block's width where narrower) to FP8 and multiplied by the FP8 weights, against
-    that math in float64 (grouped_x); the bfloat16 launch gemv_config chooses (with a bias),
-    and float32 in a forced FP8 x launch, within float32 rounding."""
+    """2-32 rows of half-precision x (the FP8 dot, here at every row count it serves): x
+    quantised per (row, 128 columns, or the scale block's width where narrower) to FP8 and
+    multiplied by the FP8 weights, against that math in float64 (grouped_x); the bfloat16
+    launch gemv_config chooses (with a bias), and float32 in a forced FP8 x launch, within
+    float32 rounding."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fp8, "FP8_DOT_ROWS", fp8.GEMV_ROWS)
     g = torch.Generator().manual_seed(rows * n + k)
     x = torch.randn(rows, k + 5, generator=g)[:, :k] * 3
     q, scale, expanded = random_fp8_weights(n, k, block, g)

@@ -5,14 +5,14 @@ Small batches (decode, up to GEMV_ROWS rows) are bound by reading the weights: a
 reads the FP8 bytes; K split over programs where the weight has too few rows to fill the GPU
 (see gemv_config). One row by FMAs and a sum, the weights widened in registers and x in the
 model dtype (weight-only: as exact as the dequantised reference up to the order of the sum).
-2-32 rows by tl.dot on x padded to 16 or 32 rows. Numerics there (FP8_DOT, bfloat16 and
+2-32 rows by tl.dot on x padded to 16 or 32 rows. Numerics up to FP8_DOT_ROWS (bfloat16 and
 float16 x): x quantised to FP8 e4m3 per (row, group of X_GROUP = 128 columns, narrower where
 a block-wise checkpoint's scale blocks are), its scale the group's largest magnitude (at least
 1e-12) over 448, each value divided by it, clamped to +-448 and rounded to the nearest even
 FP8 value, exactly as torch's (x / s).clamp(-448, 448).to(float8_e4m3fn); the FP8 x FP8
 products summed in fp32, times the group's x scale (and the block's weight scale), times the
 row's weight scale at the end: the issue's dynamic per-token-group activation scales, the
-group being the chunk. With FP8_DOT off (and for float32 models) the weight-only dot: x in
+group being the chunk. Above FP8_DOT_ROWS (and for float32 models) the weight-only dot: x in
 the model dtype, the weights widened to it. Larger batches: per-row scales go through
 torch._scaled_mm (x quantised per token to FP8, dynamic scales; bfloat16 models, float32 ones
 dequantise); block scales through a Triton GEMM that scales each tile. On the CPU: dequantise,
@@ -51,7 +51,11 @@ GEMV_ROWS = 32  # up to here _fp8_gemv_kernel; above it _scaled_mm or the tiled 
 DOT_ROWS = 2  # from here that kernel's rows go through tl.dot
 MAX_SPAN = 4096  # one row: longer weight rows split over programs
 _PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
-FP8_DOT = True  # 2-32 rows of half-precision x: x to FP8 per group, an FP8 x FP8 tl.dot
+# Up to this many rows (padded) of half-precision x: x to FP8 per group, an FP8 x FP8 tl.dot;
+# above, the weight-only dot. On the H100 (benchmarks/h100-2026-11-26-s19.md) the FP8 dot took
+# llama-3.1-8b's FP8 decode at batch 8 from 4.46 to 4.35 ms, but at batch 32 from 5.07 to
+# 5.33 ms, though its kernels alone ran 9% faster there: 16 rows. 0 turns it off.
+FP8_DOT_ROWS = 16
 X_GROUP = 128  # columns of x that share one activation scale there
 
 
@@ -193,9 +197,9 @@ def gemv_config(
     keeps only num_stages - 1 chunks of 16 KB in flight, so a second wave's few programs would
     leave the memory idle), each split at least 4 chunks so the pipeline fills and the fp32
     partials stay small beside the weights.
-    FP8_DOT (half-precision x; groups of at least 32 columns, the FP8 MMA's K): x quantised
-    per (row, group) in the loop, the FP8 weight tile fed to the warpgroup MMA from shared
-    memory as it arrives, no widening; float32 models keep the weight-only dot, their exact
+    Up to FP8_DOT_ROWS (half-precision x; groups of at least 32 columns, the FP8 MMA's K): x
+    quantised per (row, group) in the loop, the FP8 weight tile fed to the warpgroup MMA from
+    shared memory as it arrives, no widening; float32 models keep the weight-only dot, their exact
     reference. Its launch is the H100 sweep's (`bench_kernels.py --sections fp8-sweep`,
     benchmarks/h100-2026-11-26-s19.md, llama-3.1-8b's projections at 8 and 32 rows): 128
     weight rows a program (256, whose SASS issues fewer instructions per weight, ran 1.1-2x
@@ -208,7 +212,7 @@ def gemv_config(
         split = triton.cdiv(k, MAX_SPAN)
     else:
         rows, block_k, stages = max(16, triton.next_power_of_2(m)), 128, 4
-        fp8_x = FP8_DOT and dtype != torch.float32 and x_group(block) >= 32
+        fp8_x = rows <= FP8_DOT_ROWS and dtype != torch.float32 and x_group(block) >= 32
         block_n, warps, waves = 128, 8 if fp8_x and rows == 32 else 4, 1 if fp8_x else 2
         split = max(1, min(waves * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
@@ -386,7 +390,7 @@ def fp8_gemv(
     if m == 0:
         return y
     key = (x.device, x.dtype, m, n, k, x.stride(0), w.stride(0), scale.stride(0), block, config,
-           interpreting(), FP8_DOT)  # fmt: skip
+           interpreting(), FP8_DOT_ROWS)  # fmt: skip
     entry = _launches.get(key)
     if entry is None:
         config = config or gemv_config(m, n, k, block, num_sms(x.device, 4), x.dtype)

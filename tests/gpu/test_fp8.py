@@ -33,7 +33,8 @@ def weights(rows: int, n: int = 1024, k: int = 512, blockwise: bool = False):
 @pytest.mark.parametrize("blockwise", [False, True])
 def test_fp8_linear_equals_float64_math(rows, k, blockwise):
     """K = 4096 and 8192: the small-batch kernel splits K. 2-32 rows: x quantised per group
-    of 128 columns (FP8_DOT), exactly as grouped_x writes it."""
+    of 128 columns where the FP8 dot takes them (FP8_DOT_ROWS), exactly as grouped_x writes
+    it."""
     x, q, scale = weights(rows, k=k, blockwise=blockwise)
     block = (128, 128) if blockwise else None
     dot_rows = rows <= GEMV_ROWS and fp8.gemv_config(rows, 1024, k, block, 132).fp8_x
@@ -53,7 +54,7 @@ def test_fp8_gemv_widens_every_fp8_value_exactly(monkeypatch):
     """Weight row n holds every finite FP8 byte, rotated by n; x picks columns 0..15, the
     scales are 1: y[m, n] is byte (n + m) % 256 as a value, which bfloat16 holds exactly (the
     bit moves of _bf16_from_fp8 on the weight-only tl.dot's path, subnormals included)."""
-    monkeypatch.setattr(fp8, "FP8_DOT", False)
+    monkeypatch.setattr(fp8, "FP8_DOT_ROWS", 0)
     codes = (torch.arange(256)[:, None] + torch.arange(256)[None, :]) % 256
     codes[(codes & 0x7F) == 0x7F] = 0  # the NaN bytes
     q = codes.to(torch.uint8).view(torch.float8_e4m3fn).cuda()
@@ -79,10 +80,12 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate|up": (28672, 4096),
 
 
 @pytest.mark.parametrize("name", LLAMA_8B)
-def test_fp8_dot_rows_at_llama_shapes_replay_in_a_graph_as_float64_math(name):
-    """llama-3.1-8b's projections at 8, 16 and 32 rows, per-row and block-wise scales, the
-    FP8 x FP8 dot in its chosen launch, captured in a CUDA graph and replayed: x quantised
-    per group of 128 columns (grouped_x) times the dequantised weights, in float64."""
+def test_fp8_dot_rows_at_llama_shapes_replay_in_a_graph_as_float64_math(name, monkeypatch):
+    """llama-3.1-8b's projections at 8, 16 and 32 rows (the FP8 dot at every row count it
+    serves), per-row and block-wise scales, the FP8 x FP8 dot in its chosen launch, captured
+    in a CUDA graph and replayed: x quantised per group of 128 columns (grouped_x) times the
+    dequantised weights, in float64."""
+    monkeypatch.setattr(fp8, "FP8_DOT_ROWS", fp8.GEMV_ROWS)
     n, k = LLAMA_8B[name]
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g) * 0.02
