@@ -94,7 +94,7 @@ def phases(engine: LLMEngine, batch: int, steps: int) -> dict:
         out = forward(runner, step)
         sync()
         t2 = time.perf_counter()
-        sampled = runner.sampler(runner._logits(out, len(step.logits_indices)), step.sampling)
+        sampled = runner.sampler(runner._logits(out, 0, len(step.logits_indices)), step.sampling)
         t3 = time.perf_counter()
         engine.scheduler.complete(sched)
         seqs = {seq.request_id: seq for seq in sched.seqs}
@@ -348,10 +348,16 @@ def mixed_step_ms(engine: LLMEngine, decodes: int = 31, chunk: int = 256, reps: 
     return {"mixed_step_ms": statistics.median(times), "step_mode": ",".join(modes)}
 
 
-def build(model: str, mode: str) -> LLMEngine:
+def build(model: str, mode: str, quantization: str | None = None) -> LLMEngine:
     """Without async scheduling: the sections below schedule and run steps one at a time."""
     return LLMEngine(
-        EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=2048, async_scheduling=False)
+        EngineConfig(
+            model=model,
+            cuda_graph_mode=mode,
+            max_model_len=2048,
+            async_scheduling=False,
+            quantization=quantization,
+        )
     )
 
 
@@ -368,6 +374,7 @@ def main() -> None:
         "step-kernels (the kernels of whole decode steps: forward, LM head, sampling)",
     )
     parser.add_argument("--label", default="", help="a tag for this tree, e.g. a commit")
+    parser.add_argument("--quantization", help="e.g. fp8: the decode sections on FP8 weights")
     parser.add_argument("--prefill-lengths", default="512,2048,8192", help="prefill section")
     parser.add_argument("--json", help="append every result here as a JSON line")
     parser.add_argument("--no-pdl", action="store_true", help="A/B: launch without PDL")
@@ -414,7 +421,7 @@ def main() -> None:
         if "prefill" in sections:
             for result in prefill_kernels(args.model, mode, lengths):
                 emit(section="prefill", **result)
-        engine = build(args.model, mode)
+        engine = build(args.model, mode, args.quantization)
         for batch in batches:
             if "decode" in sections:
                 ms = decode_ms(engine, batch, args.steps)
