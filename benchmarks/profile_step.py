@@ -162,6 +162,19 @@ def one_decode_step(engine: LLMEngine, batch: int):
     return step
 
 
+def device_kernels(prof, copies: bool) -> tuple[Counter[str], Counter[str]]:
+    """(count, device µs) of each kernel the profiler saw, by name; copies and memsets too
+    with copies."""
+    names: Counter[str] = Counter()
+    device_us: Counter[str] = Counter()
+    for e in prof.events():
+        kept = copies or not e.name.startswith("Mem")
+        if e.device_type == torch.autograd.DeviceType.CUDA and kept:
+            names[e.name[:60]] += 1
+            device_us[e.name[:60]] += e.device_time
+    return names, device_us
+
+
 def kernels(engine: LLMEngine, batch: int) -> dict:
     """Kernels one decode step launches, by name, counted by the profiler over its forward."""
     step = one_decode_step(engine, batch)
@@ -170,12 +183,7 @@ def kernels(engine: LLMEngine, batch: int) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         forward(engine.runner, step)
         sync()
-    names: Counter[str] = Counter()
-    device_us: Counter[str] = Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem"):
-            names[e.name[:60]] += 1
-            device_us[e.name[:60]] += e.device_time
+    names, device_us = device_kernels(prof, copies=False)
     layers = engine.hf_config.num_hidden_layers
     finish(engine)
     return {
@@ -199,12 +207,7 @@ def step_kernels(engine: LLMEngine, batch: int, steps: int = 8) -> dict:
         for _ in range(steps):
             engine.step()
         sync()
-    names: Counter[str] = Counter()
-    device_us: Counter[str] = Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            names[e.name[:60]] += 1
-            device_us[e.name[:60]] += e.device_time
+    names, device_us = device_kernels(prof, copies=True)
     finish(engine)
     return {
         "kernels_per_step": sum(names.values()) / steps,
@@ -241,12 +244,7 @@ def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
         profiler.disable()
         while engine.has_unfinished_requests():
             engine.step()
-        device_us: Counter[str] = Counter()
-        names: Counter[str] = Counter()
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Mem"):
-                names[e.name[:60]] += 1
-                device_us[e.name[:60]] += e.device_time
+        names, device_us = device_kernels(prof, copies=False)
         results.append({
             "mode": mode, "tokens": length, "wall_ms": wall_ms,
             "device_ms": sum(device_us.values()) / 1e3, "kernels": sum(names.values()),

@@ -129,13 +129,12 @@ def fused_moe(
     topk_ids: torch.Tensor,  # int [T, K]; -1: this choice goes nowhere
     topk_weights: torch.Tensor,  # float32 [T, K]
     configs: tuple[MoeConfig, MoeConfig] | None = None,  # gate|up's and down's launches
-    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,  # align(topk_ids, ...), if done
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]
     -> [T, H] in x's dtype. On the GPU in moe_config's launches or those given (benchmarks
     time others)."""
     if use_triton(x):
-        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs, aligned)
+        return _fused_moe_triton(x, w13, w2, topk_ids, topk_weights, configs)
     return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
 
 
