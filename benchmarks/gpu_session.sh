@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_session.sh profile M   # step profile per graph mode (profile_step.py)
 #   bash benchmarks/gpu_session.sh parallel    # two GPUs: pipeline / tensor parallel tests
 #   bash benchmarks/gpu_session.sh parallel-bench M  # two GPUs: P=1 vs P=2 vs T=2 benches
+#   bash benchmarks/gpu_session.sh hang       # two GPUs: stacks of a parallel test that does not finish
 #   bash benchmarks/gpu_session.sh spec M   # inter-token latency with and without speculation
 #   bash benchmarks/gpu_session.sh lora M   # LoRA tests, decode with rank-16 adapters vs base
 #   bash benchmarks/gpu_session.sh async M  # decode with async scheduling on and off, per mode
@@ -267,6 +268,30 @@ parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 o
   info | tee "$OUT/env.txt"
   nvidia-smi topo -m | tee "$OUT/topology.txt"
   python3 -m pytest tests/gpu/test_parallel.py --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/parallel-tests.log"
+  ;;
+hang)  # two GPUs: parallel tests (K, a -k expression; stops at the first failure) under a watch; after WAIT s still
+  # running, every process's Python stacks (py-spy from .whl if ptrace is allowed; faulthandler
+  # on SIGABRT otherwise) and the GPUs' state go to $OUT, then the tree is killed
+  info | tee "$OUT/env.txt"
+  export PYTHONFAULTHANDLER=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  python3 -m pytest -s -x tests/gpu/test_parallel.py -k "${K:-tensor_ranks_equal and piecewise and not full}" \
+    -p no:cacheprovider -o addopts="" -rs -v --durations=0 >"$OUT/hang.log" 2>&1 &
+  root=$!
+  for _ in $(seq "${WAIT:-200}"); do sleep 1; kill -0 "$root" 2>/dev/null || break; done
+  if kill -0 "$root" 2>/dev/null; then
+    tree() { echo "$1"; for c in $(ps -o pid= --ppid "$1"); do tree "$c"; done; }
+    pids=$(tree "$root")
+    ps -o pid,ppid,etime,time,stat,args -p "$(echo $pids | tr ' ' ,)" >"$OUT/ps.txt"
+    nvidia-smi >"$OUT/smi.txt" 2>&1
+    spy=$(ls /tmp/site/bin/py-spy 2>/dev/null)
+    for p in $pids; do
+      [ -n "$spy" ] && timeout 20 "$spy" dump --pid "$p" --locals >"$OUT/spy-$p.txt" 2>&1
+      kill -ABRT "$p" 2>/dev/null
+    done
+    sleep 5; for p in $pids; do kill -9 "$p" 2>/dev/null; done
+    echo "killed after ${WAIT:-200} s" >>"$OUT/hang.log"
+  fi
+  wait "$root"; tail -n 40 "$OUT/hang.log"
   ;;
 parallel-bench)  # MODEL: decode latency at batch 1 and 32 per mode, throughput at batch 64
   # MODES, ITERS and SHAPES (flag sets separated by ";") narrow a run to the device time left

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -61,12 +62,20 @@ class Fakes:
         self.rank = rank
         self.capturing = False
         self.log: list[str] = []  # the collectives this rank ran, in order
+        # NCCL's destroy waits for every graph that captured a collective: count them
+        self.graphs_alive = 0
+        self.graphs_at_destroy: list[int] = []
         where, _, size = inject.partition(":")
         self.inject = (where, int(size)) if inject and rank == 1 else None
 
     def patches(self) -> list[tuple[object, str, object]]:
         fakes = self
         all_reduce, all_gather = dist.all_reduce, dist.all_gather
+        destroy = dist.destroy_process_group
+
+        def counted_destroy(*args, **kwargs):
+            fakes.graphs_at_destroy.append(fakes.graphs_alive)
+            return destroy(*args, **kwargs)
 
         def counted(op, real):
             def collective(tensor, *args, **kwargs):
@@ -92,7 +101,11 @@ class Fakes:
                 finally:
                     fakes.capturing = False
                 self.forward = fakes.last_forward
+                fakes.graphs_alive += 1
                 return self.output
+
+            def __del__(self):
+                fakes.graphs_alive -= self.forward is not None
 
             def replay(self):
                 return self.forward()
@@ -115,6 +128,7 @@ class Fakes:
         return [
             (dist, "all_reduce", counted("all_reduce", all_reduce)),
             (dist, "all_gather", counted("all_gather", all_gather)),
+            (dist, "destroy_process_group", counted_destroy),
             (compat, "RULES", tuple(r for r in compat.RULES if r.name != "cpu_device")),
             (capture, "BreakableGraph", Graph),
             (ModelRunner, "_model_forward", model_forward),
@@ -139,7 +153,9 @@ def faked_worker(rank, config, meet, parent) -> None:
     for owner, name, value in fakes.patches():
         setattr(owner, name, value)
     worker.worker_main(rank, config, meet, parent)
-    Path(os.environ[LOG_DIR], f"rank{rank}-{os.getpid()}.json").write_text(json.dumps(fakes.log))
+    logs = Path(os.environ[LOG_DIR])
+    (logs / f"rank{rank}-{os.getpid()}.json").write_text(json.dumps(fakes.log))
+    (logs / f"destroy{rank}-{os.getpid()}.json").write_text(json.dumps(fakes.graphs_at_destroy))
 
 
 @pytest.fixture
@@ -194,6 +210,9 @@ def test_two_tensor_parallel_engines_in_one_process_issue_the_same_collectives(
         assert stages[0]["steps"]["piecewise"] or engine == 0
         mine = faked.log[: len(worker_log(tmp_path, pid))]  # less its report's gathers
         assert mine == worker_log(tmp_path, pid) and len(mine) > 20, f"engine {engine}"
+        # each rank dropped its graphs before destroying its groups (else NCCL waits forever)
+        worker_destroys = json.loads((tmp_path / f"destroy1-{pid}.json").read_text())
+        assert faked.graphs_at_destroy[-1:] == worker_destroys == [0], f"engine {engine}"
 
 
 def test_out_of_memory_in_one_ranks_capture_drops_the_size_on_every_rank(
@@ -321,3 +340,55 @@ def test_teardown_has_one_owner_abort_and_leave_never_overlap_and_run_once(monke
     watchdog.join()
     world.teardown(abort=True)
     assert events == ["abort", "destroy"]
+
+
+def test_teardown_drops_the_graphs_first_and_holds_them_weakly(monkeypatch):
+    """NCCL's destroy and abort wait until every graph that captured a collective is gone:
+    whatever holds graphs is released before either, and a holder already gone is skipped."""
+    from ostinato.distributed import world
+
+    events: list[str] = []
+
+    class Holder:
+        def close(self) -> None:
+            events.append("release")
+
+    monkeypatch.setattr(world, "_destroy_all", lambda: events.append("destroy"))
+    monkeypatch.setattr(world, "_abort_all", lambda: events.append("abort"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for abort in (False, True):
+        monkeypatch.setattr(world, "_teardown", world._Teardown())
+        monkeypatch.setattr(world, "_holders", [])
+        kept, gone = Holder(), Holder()
+        world.release_before_teardown(kept.close)
+        world.release_before_teardown(gone.close)
+        del gone
+        events.clear()
+        world.teardown(abort=abort)
+        assert events == ["release", "abort" if abort else "destroy"]
+
+
+def test_a_teardown_that_never_returns_is_left_at_its_deadline(monkeypatch, caplog):
+    """An abort stuck in NCCL (a graph still holds the communicator) is left after
+    TEARDOWN_S with a warning, and the leave after it does not queue behind it."""
+    from ostinato.distributed import world
+
+    calls, never = [], threading.Event()
+
+    def stuck() -> None:
+        calls.append("abort")
+        never.wait()
+
+    monkeypatch.setattr(world, "TEARDOWN_S", 0.2)
+    monkeypatch.setattr(world, "_abort_all", stuck)
+    monkeypatch.setattr(world, "_destroy_all", lambda: calls.append("destroy"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(world, "_teardown", world._Teardown())
+    try:
+        with caplog.at_level(logging.WARNING, logger="ostinato"):
+            world.teardown(abort=True)
+            world.leave()
+    finally:
+        never.set()
+    assert calls == ["abort"]
+    assert "aborting the process groups did not finish in 0.2 s" in caplog.text

@@ -17,8 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import gc
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +33,7 @@ from ostinato.distributed.channel import Channel
 from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group, startup_timeout
 from ostinato.distributed.pipeline import SampleShare
 
+logger = logging.getLogger("ostinato")
 NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # the engine aborts, not PyTorch
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # a worker waits this long for its next step
 JOINED_KEY = "ostinato/joined"  # each worker adds 1 on reaching the rendezvous
@@ -172,32 +176,75 @@ def current_store() -> dist.Store | None:
     return _store
 
 
+TEARDOWN_S = 10.0  # seconds one destroy or abort of the groups may take before it is left
+
+
 class _Teardown:
     """The one owner of this process's group teardown. The launcher's watchdog thread aborts
     when a worker dies while the main thread may be leaving: the two never overlap, an abort
-    after leaving does nothing, and each happens at most once."""
+    after leaving does nothing, and each happens at most once.
+
+    Both first drop what holds the communicators (`release_before_teardown`), then run with a
+    deadline: a destroy or abort that does not return in TEARDOWN_S is left to the process's
+    exit with a warning, and nothing later touches the groups."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.aborted = self.left = False
+        self.aborted = self.left = self.stuck = False
 
     def reset(self) -> None:
         with self._lock:
-            self.aborted = self.left = False
+            self.aborted = self.left = self.stuck = False
 
     def __call__(self, abort: bool) -> None:
         with self._lock:
             if self.left or (abort and self.aborted):
                 return
+            _release_holders()
             if abort:
                 self.aborted = True
-                _abort_all()
+                self._bounded(_abort_all, "aborting the process groups")
                 return
             self.left = True
             if dist.is_initialized():
-                with contextlib.suppress(RuntimeError, ValueError):  # aborted groups are gone
-                    dist.destroy_process_group()
+                self._bounded(_destroy_all, "destroying the process groups")
             set_tp_group(TPGroup())
+
+    def _bounded(self, op: Callable[[], None], what: str) -> None:
+        if self.stuck:  # an earlier op still runs: a second one would wait behind it
+            return
+        thread = threading.Thread(target=op, name="ostinato-teardown", daemon=True)
+        thread.start()
+        thread.join(TEARDOWN_S)
+        if thread.is_alive():
+            self.stuck = True
+            logger.warning(
+                "%s did not finish in %g s: left to the process's exit", what, TEARDOWN_S
+            )
+
+
+_holders: list[weakref.WeakMethod] = []
+
+
+def release_before_teardown(release: Callable[[], None]) -> None:
+    """Have every teardown call release (a bound method, held weakly) before it destroys or
+    aborts the groups. NCCL's destroy and abort both wait, without a deadline, until every
+    CUDA graph that captured a collective of the communicator is destroyed (NCCL counts each
+    as a persistent reference), so a rank's graphs must go first."""
+    _holders.append(weakref.WeakMethod(release))
+
+
+def _release_holders() -> None:
+    while _holders:
+        release = _holders.pop()()
+        if release is not None:
+            release()
+    gc.collect()  # the dropped graphs may sit in reference cycles
+
+
+def _destroy_all() -> None:
+    with contextlib.suppress(RuntimeError, ValueError):  # aborted groups are gone
+        dist.destroy_process_group()
 
 
 def _abort_all() -> None:

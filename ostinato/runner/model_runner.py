@@ -19,6 +19,7 @@ from ostinato.attention import get_attention_backend
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
 from ostinato.distributed.parallel import Rank, startup_timeout, tp_group
+from ostinato.distributed.world import release_before_teardown
 from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.memory import graph_memory_reserve
@@ -118,6 +119,8 @@ class ModelRunner:
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
         self.held = None  # logits and rows of a step whose sampling waits for its bitmask
         self.graphs = GraphRunner(config, tp_group().agree_max)
+        if self.rank.world_size > 1:  # graphs with collectives hold the communicators
+            release_before_teardown(self.graphs.close)
         self.kv_caches: list = []
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
