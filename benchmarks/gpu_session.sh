@@ -269,9 +269,10 @@ parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 o
   nvidia-smi topo -m | tee "$OUT/topology.txt"
   python3 -m pytest tests/gpu/test_parallel.py --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/parallel-tests.log"
   ;;
-hang)  # two GPUs: parallel tests (K, a -k expression; stops at the first failure) under a watch; after WAIT s still
-  # running, every process's Python stacks (py-spy from .whl if ptrace is allowed; faulthandler
-  # on SIGABRT otherwise) and the GPUs' state go to $OUT, then the tree is killed
+hang)  # two GPUs: parallel tests (K, a -k expression; stops at the first failure) under a
+  # watch; after WAIT s still running, every process's Python stacks (py-spy from .whl where
+  # ptrace is allowed; faulthandler on SIGABRT) and the GPUs' state go to $OUT, then the tree
+  # is killed
   info | tee "$OUT/env.txt"
   export PYTHONFAULTHANDLER=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   python3 -m pytest -s -x tests/gpu/test_parallel.py -k "${K:-tensor_ranks_equal and piecewise and not full}" \
