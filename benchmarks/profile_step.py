@@ -389,11 +389,16 @@ def main() -> None:
     parser.add_argument(
         "--no-sdpa", action="store_true", help="A/B: fresh prompts through the paged kernel"
     )
+    parser.add_argument(
+        "--fp8-dot-rows", type=int, help="A/B: fp8.FP8_DOT_ROWS (0: the weight-only dot)"
+    )
     args = parser.parse_args()
     if args.no_sdpa:
         importlib.import_module("ostinato.attention.triton_backend").SDPA_MIN_TOKENS = 1 << 62
     if args.no_pdl:
         importlib.import_module("ostinato.kernels.dispatch").PDL = False
+    if args.fp8_dot_rows is not None:
+        importlib.import_module("ostinato.kernels.fp8").FP8_DOT_ROWS = args.fp8_dot_rows
     if args.no_fuse:
         importlib.import_module("ostinato.layers.linear").FUSE = False
     gemv = importlib.import_module("ostinato.kernels.gemv")
