@@ -52,10 +52,9 @@ DOT_ROWS = 2  # from here that kernel's rows go through tl.dot
 MAX_SPAN = 4096  # one row: longer weight rows split over programs
 _PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
 # Up to this many rows (padded) of half-precision x: x to FP8 per group, an FP8 x FP8 tl.dot;
-# above, the weight-only dot. On the H100 (benchmarks/h100-2026-11-26-s19.md) the FP8 dot took
-# llama-3.1-8b's FP8 decode at batch 8 from 4.46 to 4.35 ms, but at batch 32 from 5.07 to
-# 5.33 ms, though its kernels alone ran 9% faster there: 16 rows. 0 turns it off.
-FP8_DOT_ROWS = 16
+# above, the weight-only dot. 0 turns it off. On the H100, in llama-3.1-8b's FP8 decode step
+# (benchmarks/h100-2026-11-26-s20.md), 1-3% faster than the weight-only dot at batch 4-32.
+FP8_DOT_ROWS = 32
 X_GROUP = 128  # columns of x that share one activation scale there
 
 
@@ -203,8 +202,11 @@ def gemv_config(
     reference. Its launch is the H100 sweep's (`bench_kernels.py --sections fp8-sweep`,
     benchmarks/h100-2026-11-26-s19.md, llama-3.1-8b's projections at 8 and 32 rows): 128
     weight rows a program (256, whose SASS issues fewer instructions per weight, ran 1.1-2x
-    slower), 4 warps at 16 rows and 8 at 32, and K split to about one program per SM (two
-    waves lost 2-7%)."""
+    slower), 4 warps at 16 rows and 8 at 32, and K split to about two programs per SM. Alone,
+    one program per SM ran 2-7% faster; in the step it lost (batch 32: 5.35 ms against 5.00),
+    because under PDL the kernel starts while the one before still holds SMs, and a grid of
+    one program per SM then stacks two on some SMs and none on others (without PDL one wave
+    was as fast as two: benchmarks/h100-2026-11-26-s20.md)."""
     fp8_x = False
     if m < DOT_ROWS:
         rows, block_k, warps, stages = 1, 512, 4, 1
@@ -213,8 +215,8 @@ def gemv_config(
     else:
         rows, block_k, stages = max(16, triton.next_power_of_2(m)), 128, 4
         fp8_x = rows <= FP8_DOT_ROWS and dtype != torch.float32 and x_group(block) >= 32
-        block_n, warps, waves = 128, 8 if fp8_x and rows == 32 else 4, 1 if fp8_x else 2
-        split = max(1, min(waves * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
+        block_n, warps = 128, 8 if fp8_x and rows == 32 else 4
+        split = max(1, min(2 * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
         block_k = min(block_k, block[1])
     span, split = split_span(k, block_k, split, triton.cdiv(n, block_n))
