@@ -873,6 +873,49 @@ class _ProjectionCase:
         return silu_and_mul(y) if self.silu else y
 
 
+ROW_SWEEP_SHAPES = {  # one row: name -> (weight rows, K, silu, normed)
+    "qwen3-30b-a3b qkv (norm)": (5120, 2048, False, True),
+    "qwen3-30b-a3b o (add)": (2048, 4096, False, False),
+    "qwen3-30b-a3b router (norm)": (128, 2048, False, True),
+    "qwen3-0.6b qkv (norm)": (4096, 1024, False, True),
+    "qwen3-0.6b gate|up (norm+silu)": (6144, 1024, True, True),
+    "qwen3-0.6b down (add)": (1024, 3072, False, False),
+    "llama-3.1-8b o (add)": (4096, 4096, False, False),
+}
+
+
+def gemv_row_sweep_rows(copy_bw: float) -> list[list[str]]:
+    """The one-row kernel with its fusion, in gemv_config's launch and a grid of others
+    (weight rows a program, columns a chunk, warps), each call on its own weights from a ring
+    larger than L2."""
+    rows = []
+    for name, (n, k, silu, normed) in ROW_SWEEP_SHAPES.items():
+        count = max(4, min(64, L2_FLUSH_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+        norm_w = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        case = _ProjectionCase(1, n, k, silu, normed, weights, norm_w)
+        n_out = n // 2 if silu else n
+        default = gemv_module.gemv_config(1, n_out, k, 2, 132)
+        configs = [default] + [
+            gemv_module.GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, w, 1)
+            for block_n in (2, 4, 8, 16, 32)
+            for block_k in (512, 1024, 2048)
+            for w in (4, 8)
+            if block_n * block_k <= 16384
+        ]
+        times = {c: graph_seconds(case.ours(c)) for c in dict.fromkeys(configs)}
+        best = min(times, key=times.get)
+        floor = n * k * 2 / copy_bw
+        rows.append([
+            name, f"{n * k * 2 / 1e6:.1f}", f"{floor * 1e6:.2f}", f"{times[default] * 1e6:.2f}",
+            _gemv_short(default) + f", {default.num_warps} warps", f"{times[best] * 1e6:.2f}",
+            _gemv_short(best) + f", {best.num_warps} warps", f"{times[default] / times[best]:.2f}x",
+            " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{t * 1e6:.2f}"
+                     for c, t in sorted(times.items(), key=lambda ct: ct[1])[:8]),
+        ])  # fmt: skip
+    return rows
+
+
 def _gemv_short(config) -> str:
     if config.rows == 1:
         return f"fma, {config.block_n} x {config.block_k}"
@@ -899,7 +942,9 @@ def main() -> None:
         default="decode,prefill,fused,gemv",
         help="comma-separated: decode, prefill, fused, gemv, gemv-rows (the small-batch "
         "projection kernel at 1-32 rows with its fusions, against cuBLAS and the unfused "
-        "kernels: sets gemv.ROW_LIMITS), sweep (launch configurations), decode-sweep (decode "
+        "kernels: sets gemv.ROW_LIMITS), gemv-row-sweep (the one-row kernel's launch "
+        "configurations for qwen3-30b-a3b's, qwen3-0.6b's and llama-3.1-8b's projections), "
+        "sweep (launch configurations), decode-sweep (decode "
         "attention's launch configurations at 576 and 1088 tokens of context), "
         "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
         "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
@@ -973,6 +1018,24 @@ def main() -> None:
                     "speedup",
                 ],
                 gemv_rows(copy_bw),
+            )  # fmt: skip
+        )
+    if "gemv-row-sweep" in chosen:
+        sections.append(
+            "## The one-row projection kernel's launches (µs per call in a CUDA graph; floor: "
+            "the weights read at copy bandwidth)\n\n"
+            + table(
+                [
+                    "projection",
+                    "MB",
+                    "floor µs",
+                    "ours µs",
+                    "ours config",
+                    "best µs",
+                    "best config",
+                    "ours / best",
+                ],
+                gemv_row_sweep_rows(copy_bw),
             )  # fmt: skip
         )
     if "gemv-rows" in chosen:
