@@ -183,10 +183,13 @@ def gemv_config(
     """The launch configuration of _fp8_gemv_kernel, from shapes and x's dtype alone (fixed
     under a graph).
 
-    One row: FMAs, as kernels/gemv.py does for bf16 weights (2.5 TB/s on the H100): few weight
-    rows per program, so about _PROGRAMS programs hold the loads in flight, and the span
-    unrolled in chunks of 512 columns so all of them issue at once; gemv.py lost at K = 8192,
-    so rows longer than MAX_SPAN split.
+    One row: FMAs, as kernels/gemv.py does for bf16 weights (2.5 TB/s on the H100), the span
+    unrolled in chunks so all their loads issue at once; gemv.py lost at K = 8192, so rows
+    longer than MAX_SPAN split. Rows of per-row scales whose K is one span of whole chunks of
+    2048 columns take those chunks, 4 weight rows a program and 8 warps (the H100 sweep,
+    `bench_kernels.py --sections fp8-row-sweep`, benchmarks/h100-2026-11-26-s20.md:
+    llama-3.1-8b's qkv 12.4 -> 10.8 µs, gate|up 43.9 -> 40.7, o 7.4 -> 7.6); other spans
+    chunks of 512, with weight rows for about _PROGRAMS programs.
     More rows: tl.dot on x padded to 16 or 32 rows, the tensor cores' smallest tile (32 FMAs
     per weight would leave the FMA units short of the memory rate). At the copy rate an SM
     takes in about 13 FP8 weights a cycle and each costs 4-5 instructions in the loop (Triton
@@ -212,6 +215,8 @@ def gemv_config(
         rows, block_k, warps, stages = 1, 512, 4, 1
         block_n = max(1, min(16, triton.next_power_of_2(n) // _PROGRAMS))
         split = triton.cdiv(k, MAX_SPAN)
+        if block is None and split == 1 and k % 2048 == 0:
+            block_k, block_n, warps = 2048, 4, 8
     else:
         rows, block_k, stages = max(16, triton.next_power_of_2(m)), 128, 4
         fp8_x = rows <= FP8_DOT_ROWS and dtype != torch.float32 and x_group(block) >= 32

@@ -57,7 +57,6 @@ ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 8), (32 << 20, 1))
 MAX_K = 4096
 MAX_WEIGHT_ELEMENTS = 32 << 20
 DOT_ROWS = 2  # from here the rows go through tl.dot
-_PROGRAMS = 512  # one row: enough programs to keep every SM's memory pipe busy
 
 
 def max_rows(weight_elements: int) -> int:
@@ -140,17 +139,21 @@ def gemv_config(m: int, n_out: int, k: int, itemsize: int, sms: int) -> GemvConf
     """The launch configuration for m rows of x and n_out output columns (gate|up: its gate
     rows) over K, from shapes alone (fixed under a graph).
 
-    One row: few weight rows per program, so about _PROGRAMS programs hold the loads in
-    flight, and K unrolled in chunks of 512 columns so all of them issue at once.
+    One row: K in chunks of up to 2048 columns, unrolled so all their loads issue at once, 8
+    warps, and 16 weight rows a program for K up to 1024, 4 above. The H100 sweep
+    (`bench_kernels.py --sections gemv-row-sweep`, benchmarks/h100-2026-11-26-s20.md) put
+    these 1.1-2x ahead of the chunks of 512 and rows for about 512 programs used before, on
+    qwen3-0.6b's, qwen3-30b-a3b's and llama-3.1-8b's projections: fewer, longer chunks keep
+    more bytes in flight per program.
     More rows: tl.dot on x padded to 16 or 32 rows, 64 weight rows a program in chunks of 64
     columns (8 KB of bf16, a pipeline of 4), and K split until there are about two programs
     per SM, each split at least 4 chunks so the pipeline fills and the fp32 partials stay
     small beside the weights; as the FP8 kernel, whose chunks are as many bytes. float32
     weights keep a pipeline of 2 (their tiles take twice the shared memory)."""
     if m < DOT_ROWS:
-        block_k = min(512, triton.next_power_of_2(k))
-        block_n = max(1, min(16, triton.next_power_of_2(n_out) // _PROGRAMS))
-        return GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, 4, 1)
+        block_k = min(2048, triton.next_power_of_2(k))
+        block_n = min(16 if block_k <= 1024 else 4, triton.next_power_of_2(n_out))
+        return GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, 8, 1)
     return dot_config(m, n_out, k, 64, 64, itemsize, sms)
 
 
