@@ -543,7 +543,10 @@ MOE_VARIANTS = [
     moe.MoeConfig(1, 4, 256, 1, 4, 1), moe.MoeConfig(1, 8, 512, 1, 4, 1),
     moe.MoeConfig(1, 16, 256, 2, 4, 1), moe.MoeConfig(1, 8, 256, 2, 4, 1),
     moe.MoeConfig(1, 4, 256, 2, 4, 1), moe.MoeConfig(1, 16, 256, 1, 8, 1),
-    moe.MoeConfig(1, 32, 256, 2, 8, 1),
+    moe.MoeConfig(1, 32, 256, 2, 8, 1), moe.MoeConfig(1, 2, 1024, 1, 4, 1),
+    moe.MoeConfig(1, 4, 1024, 1, 4, 1), moe.MoeConfig(1, 4, 1024, 1, 8, 1),
+    moe.MoeConfig(1, 8, 1024, 1, 8, 1), moe.MoeConfig(1, 2, 2048, 1, 8, 1),
+    moe.MoeConfig(1, 4, 2048, 1, 8, 1), moe.MoeConfig(1, 8, 2048, 1, 8, 1),
     # tl.dot on 16 pairs a block: columns, K step, splits, warps, stages
     MOE_BEFORE, moe.MoeConfig(16, 64, 128, 1, 4, 4), moe.MoeConfig(16, 64, 128, 2, 4, 4),
     moe.MoeConfig(16, 64, 128, 4, 4, 4), moe.MoeConfig(16, 32, 128, 2, 4, 4),
@@ -916,6 +919,38 @@ def gemv_row_sweep_rows(copy_bw: float) -> list[list[str]]:
     return rows
 
 
+def fp8_row_sweep_rows(copy_bw: float) -> list[list[str]]:
+    """The FP8 kernel at one row (per-row scales, as --quantization fp8) on llama-3.1-8b's
+    projections: gemv_config's launch and others (weight rows a program, columns a chunk,
+    warps; K split as gemv_config splits it)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, (n, k) in FP8_SHAPES.items():
+        ring = _ring(n, k, True)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        default = fp8.gemv_config(1, n, k, None, sms)
+        timed: dict = {}
+        for config in [default] + [
+            default._replace(block_n=block_n, block_k=block_k, num_warps=warps)
+            for block_n in (4, 8, 16, 32)
+            for block_k in (512, 1024, 2048)
+            for warps in (4, 8)
+            if default.span % block_k == 0 and block_n * block_k <= 32768
+        ]:
+            _fp8_time(timed, ring, x, config)
+        ranked = sorted(timed, key=timed.get)
+        rows.append([
+            name, f"{n * k / 1e6:.1f}", f"{n * k / copy_bw * 1e6:.2f}",
+            f"{timed[default] * 1e6:.2f}", _fp8_short(default),
+            f"{timed[ranked[0]] * 1e6:.2f}", _fp8_short(ranked[0]),
+            " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{timed[c] * 1e6:.2f}"
+                     for c in ranked[:8]),
+        ])  # fmt: skip
+        del ring
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _gemv_short(config) -> str:
     if config.rows == 1:
         return f"fma, {config.block_n} x {config.block_k}"
@@ -944,6 +979,7 @@ def main() -> None:
         "projection kernel at 1-32 rows with its fusions, against cuBLAS and the unfused "
         "kernels: sets gemv.ROW_LIMITS), gemv-row-sweep (the one-row kernel's launch "
         "configurations for qwen3-30b-a3b's, qwen3-0.6b's and llama-3.1-8b's projections), "
+        "fp8-row-sweep (the FP8 kernel's launches at one row, llama-3.1-8b), "
         "sweep (launch configurations), decode-sweep (decode "
         "attention's launch configurations at 576 and 1088 tokens of context), "
         "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
@@ -1036,6 +1072,24 @@ def main() -> None:
                     "ours / best",
                 ],
                 gemv_row_sweep_rows(copy_bw),
+            )  # fmt: skip
+        )
+    if "fp8-row-sweep" in chosen:
+        sections.append(
+            "## The FP8 kernel at one row: its launches (µs per call in a CUDA graph; floor: "
+            "the FP8 weights read at copy bandwidth)\n\n"
+            + table(
+                [
+                    "projection",
+                    "MB",
+                    "floor µs",
+                    "ours µs",
+                    "ours config",
+                    "best µs",
+                    "best config",
+                    "the eight fastest (rows x columns / warps: µs)",
+                ],
+                fp8_row_sweep_rows(copy_bw),
             )  # fmt: skip
         )
     if "gemv-rows" in chosen:
