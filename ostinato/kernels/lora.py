@@ -109,7 +109,7 @@ def lora_fused(
     widths = [hi - lo for lo, hi in zip(offsets[:-1], offsets[1:], strict=True)]
     block_r = _block_r(rank_max)
     if config is None:
-        config = fused_config(widths, num_tokens, meta.num_active, block_r, x.element_size())
+        config = fused_config(widths, num_tokens, meta.num_active, rank_max, x.element_size())
     tiles = [triton.cdiv(w, config.cols) for w in widths]
     ends = [*offsets[1:], *[offsets[-1]] * (4 - len(offsets))]
     firsts = [sum(tiles[: s + 1]) for s in range(2)]  # the first tile of shards 1 and 2
@@ -131,7 +131,7 @@ _FUSED_PROGRAMS = 64  # about half an H100's SMs: each program's A comes from L2
 
 
 def fused_config(
-    widths: list[int], num_tokens: int, num_groups: int, block_r: int, itemsize: int
+    widths: list[int], num_tokens: int, num_groups: int, rank_max: int, itemsize: int
 ) -> FusedConfig:
     """Columns per program: the fewest that keep the programs doing work (tiles times the
     (group, token tile) pairs that can hold tokens) at about _FUSED_PROGRAMS."""
@@ -143,7 +143,7 @@ def fused_config(
         widths
     ):
         cols *= 2
-    block_k = max(16, min(512, 16384 // (block_r * itemsize)))  # a tile of A of <= 16 KiB
+    block_k = max(16, min(512, 16384 // (_block_r(rank_max) * itemsize)))  # A tiles <= 16 KiB
     return FusedConfig(cols, block_n, block_k, num_warps=4, num_stages=3)
 
 
