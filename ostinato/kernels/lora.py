@@ -62,14 +62,14 @@ def lora_expand(
         lora_expand_torch(partials, b, ranks, offsets, y, meta)
 
 
-# The most tokens (the step's padded count) that take the fused kernel. Its programs (about
-# _FUSED_PROGRAMS) each re-read one shard's A and their tokens' rows of x from L2:
-# (R + tokens) * K * 2 bytes in bf16, 136-192 KB for K = 4096 and 476-672 KB for down's
-# K = 14336 at R = 16 and 1-8 tokens, about 1.5-7 µs for one SM at ~100 GB/s of L2, against
-# ~7 µs for the two launches it replaces (3.6 µs each on the H100 with PDL). Above it the
-# rows of x re-read grow with the tokens and the groups multiply the programs, while the two
-# kernels cost about the same up to a few hundred tokens. `bench_kernels.py --sections lora`
-# times both ways at 1, 8 and 32 tokens.
+# The most tokens (the step's padded count) that take the fused kernel. Each of its programs
+# (about _FUSED_PROGRAMS) re-reads one shard's A and its tokens' rows of x, (R + tokens) * K
+# * 2 bytes in bf16: 136-192 KB for K = 4096 and 476-672 KB for down's K = 14336 at R = 16
+# and 1-8 tokens, an estimated 1.5-7 µs for one SM reading L2 at ~100 GB/s, against the
+# ~7 µs of the two launches it replaces (3.6 µs each on the H100 with PDL). With more tokens
+# the rows of x and the groups (each multiplies the programs) grow the re-reads, while the
+# two kernels read A once. `bench_kernels.py --sections lora` times both ways at 1, 8 and 32
+# tokens; set this from its table.
 FUSED_MAX_TOKENS = 8
 
 
@@ -138,10 +138,9 @@ def fused_config(
     block_n = 128
     m_tiles = triton.cdiv(num_tokens, _FUSED_BLOCK_M)
     pairs = min(num_groups * m_tiles, num_groups + m_tiles - 1)
+    programs = lambda cols: sum(triton.cdiv(w, cols) for w in widths) * pairs
     cols = block_n
-    while sum(triton.cdiv(w, cols) for w in widths) * pairs > _FUSED_PROGRAMS and cols < max(
-        widths
-    ):
+    while programs(cols) > _FUSED_PROGRAMS and cols < max(widths):
         cols *= 2
     block_k = max(16, min(512, 16384 // (_block_r(rank_max) * itemsize)))  # A tiles <= 16 KiB
     return FusedConfig(cols, block_n, block_k, num_warps=4, num_stages=3)
