@@ -1,4 +1,5 @@
 """FP8 dot rows at batch 32: which launch makes the step slower under PDL (experiment)."""
+
 import sys
 
 import triton
@@ -37,6 +38,26 @@ def pdl():
 
 
 fp8.gemv_config, fp8._launch, fp8.pdl_options = config, launch, pdl
-sys.exit(cli.main(["bench", "latency", "--model", "random:llama-3.1-8b", "--quantization", "fp8",
-                   "--json", "--batch-size", batches, "--input-len", "128", "--output-len", "64",
-                   "--iters", "3", "--max-model-len", "2048"]))
+sys.exit(
+    cli.main(
+        [
+            "bench",
+            "latency",
+            "--model",
+            "random:llama-3.1-8b",
+            "--quantization",
+            "fp8",
+            "--json",
+            "--batch-size",
+            batches,
+            "--input-len",
+            "128",
+            "--output-len",
+            "64",
+            "--iters",
+            "3",
+            "--max-model-len",
+            "2048",
+        ]
+    )
+)
