@@ -18,12 +18,14 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.activation import silu_and_mul_torch
+from ostinato.kernels.dispatch import interpreting
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import Config, choose_config, paged_attention_torch
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 # the package re-exports the function under the module's name, so reach the module itself
 attention_module = importlib.import_module("ostinato.kernels.paged_attention")
+norm_module = importlib.import_module("ostinato.kernels.norm")
 paged_attention = attention_module.paged_attention
 
 NAN = float("nan")
@@ -44,6 +46,29 @@ def test_cpu_tensors_take_the_torch_path_without_the_interpreter(monkeypatch):
     monkeypatch.setattr(attention_module, "PagedAttention", fail)
     batch = make_batch([2], [5], 2, 1, 16, torch.float32)
     paged_attention(*batch.args(torch.empty_like(batch.q)), 0.25)
+
+
+def test_each_call_takes_the_path_of_the_moment(monkeypatch):
+    """interpreting() reads TRITON_INTERPRET at every call, not once: the tests switch it per
+    test, and a kernel whose launch was cached under the interpreter takes the torch path on
+    CPU tensors once it is off, and the interpreter again once it is back."""
+    torch_calls, torch_path = [], norm_module.rms_norm_torch
+
+    def spy(*args):
+        torch_calls.append(1)
+        return torch_path(*args)
+
+    monkeypatch.setattr(norm_module, "rms_norm_torch", spy)
+    x, weight = torch.randn(3, 64), torch.rand(64) + 0.5
+    for value, interpreted in [("1", True), ("0", False), ("1", True), (None, False), ("1", True)]:
+        if value is None:
+            monkeypatch.delenv("TRITON_INTERPRET")
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is interpreted
+        before = len(torch_calls)
+        close(rms_norm(x, weight, 1e-6), rms_norm_64(x, weight, 1e-6), torch.float32)
+        assert len(torch_calls) - before == (0 if interpreted else 1)
 
 
 def test_interpreted_launch_leaves_triton_language_compiled():
