@@ -18,12 +18,16 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.activation import silu_and_mul_torch
+from ostinato.kernels.dispatch import Kernel, interpreting, jit
+from ostinato.kernels.launch import Launch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import Config, choose_config, paged_attention_torch
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 # the package re-exports the function under the module's name, so reach the module itself
 attention_module = importlib.import_module("ostinato.kernels.paged_attention")
+norm_module = importlib.import_module("ostinato.kernels.norm")
+launch_module = importlib.import_module("ostinato.kernels.launch")
 paged_attention = attention_module.paged_attention
 
 NAN = float("nan")
@@ -44,6 +48,29 @@ def test_cpu_tensors_take_the_torch_path_without_the_interpreter(monkeypatch):
     monkeypatch.setattr(attention_module, "PagedAttention", fail)
     batch = make_batch([2], [5], 2, 1, 16, torch.float32)
     paged_attention(*batch.args(torch.empty_like(batch.q)), 0.25)
+
+
+def test_each_call_takes_the_path_of_the_moment(monkeypatch):
+    """interpreting() reads TRITON_INTERPRET at every call, not once: the tests switch it per
+    test, and a kernel whose launch was cached under the interpreter takes the torch path on
+    CPU tensors once it is off, and the interpreter again once it is back."""
+    torch_calls, torch_path = [], norm_module.rms_norm_torch
+
+    def spy(*args):
+        torch_calls.append(1)
+        return torch_path(*args)
+
+    monkeypatch.setattr(norm_module, "rms_norm_torch", spy)
+    x, weight = torch.randn(3, 64), torch.rand(64) + 0.5
+    for value, interpreted in [("1", True), ("0", False), ("1", True), (None, False), ("1", True)]:
+        if value is None:
+            monkeypatch.delenv("TRITON_INTERPRET")
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is interpreted
+        before = len(torch_calls)
+        close(rms_norm(x, weight, 1e-6), rms_norm_64(x, weight, 1e-6), torch.float32)
+        assert len(torch_calls) - before == (0 if interpreted else 1)
 
 
 def test_interpreted_launch_leaves_triton_language_compiled():
@@ -350,16 +377,45 @@ def test_launch_keys_separate_what_triton_specialises_on():
     assert spec(x) != spec(x.view(torch.int32))
 
 
-def test_per_call_tensors_key_on_dtype_and_alignment():
-    from ostinato.kernels.launch import _head_key
+@jit
+def _copy_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    tl.store(y_ptr + cols, tl.load(x_ptr + cols, mask=cols < n), mask=cols < n)
 
-    def key(*head):
-        return _head_key(head, [t.data_ptr() for t in head])
 
+def test_per_call_tensors_key_on_dtype_and_alignment(monkeypatch):
+    """A direct Launch reuses a compiled kernel only for head tensors of the same dtypes and
+    16-byte alignment, and hands the launcher their pointers; any other head goes through
+    Triton (here a stub that counts its compiles)."""
+    monkeypatch.delenv("TRITON_INTERPRET")  # a direct launch
+    compiles, launched = [], []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        @staticmethod
+        def run(*args):
+            launched.append(args)
+
+    def compile_and_run(self, *args, grid, warmup, **kwargs):
+        compiles.append(args)
+        return Compiled
+
+    monkeypatch.setattr(Kernel, "run", compile_and_run)
+    monkeypatch.setattr(launch_module, "_current_stream", lambda device: 0)
+    monkeypatch.setattr(launch_module, "_compiled", {})
+    launch = Launch(_copy_kernel, (1, 1, 1), num_head=2, tail=(48,), constexprs={"BLOCK": 64})
     x = torch.zeros(64, dtype=torch.float32)
-    assert key(x, x[4:]) == key(x[8:], x) != key(x, x[1:])  # x[1:] is 4 bytes in
-    assert key(x, x[1:]) != key(x[1:], x)  # which pointer is misaligned matters
-    assert key(x, x) != key(x, x.view(torch.int32)) != key(x.view(torch.int32), x)
+    i = x.view(torch.int32)
+    heads = [(x, x[4:]), (x, x[1:]), (x[1:], x), (x, i), (i, x)]  # x[1:]: 4 bytes in
+    for head in heads:
+        launch(*head)
+    assert len(compiles) == len(heads) and not launched
+    for head in [*heads, (x[8:], x)]:  # x[8:]: aligned, as x
+        launch(*head)
+    assert len(compiles) == len(heads) and len(launched) == len(heads) + 1
+    pointers = (x[8:].data_ptr(), x.data_ptr())
+    assert launched[-1][:3] == (1, 1, 1) and launched[-1][9:] == (*pointers, 48, 64)
 
 
 # ---- rope + KV store ---------------------------------------------------------------------

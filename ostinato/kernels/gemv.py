@@ -369,18 +369,20 @@ def _gemv_triton(
     if m == 0:
         return y, stream
     res = residual if add_in else add
-    assert not (add_in and add is not None) and (norm or not add_in)
-    assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
-    assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
-    stride_r = 0 if res is None else res.stride(0)
-    key = (x.device, x.dtype, m, k, n_out, x.stride(0), weight.stride(0), bias is not None,
-           silu_and_mul, norm, add_in, add is not None, stride_r, stream.stride(0), eps, config,
-           interpreting())  # fmt: skip
+    # shapes and whole stride tuples: one call each, and everything the checks and the launch
+    # read of them (stream's strides follow x's), so both run once per key
+    key = (x.device, x.dtype, x.shape, x.stride(), weight.shape, weight.stride(),
+           bias is not None, silu_and_mul, norm, add_in, add is not None,
+           res is not None and (res.shape, res.stride()), eps, config, interpreting())  # fmt: skip
     entry = _launches.get(key)
     if entry is None:
+        assert not (add_in and add is not None) and (norm or not add_in)
+        assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
+        assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
         config = config or gemv_config(m, n_out, k, x.element_size(), num_sms(x.device, 4))
         flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
                      ADD_OUT=add is not None)  # fmt: skip
+        stride_r = 0 if res is None else res.stride(0)
         strides = (x.stride(0), weight.stride(0), stride_r, stream.stride(0))
         if config.rows == 1:
             launch = _row_launch(m, k, n_out, eps, strides, flags, config)

@@ -13,13 +13,14 @@ ones cannot compile.
 from __future__ import annotations
 
 from functools import reduce
-from operator import or_
+from operator import attrgetter, or_
 
 import torch
 
 from ostinato.kernels.dispatch import Kernel, interpreting
 
 _current_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+_data_ptr, _dtype = torch.Tensor.data_ptr, attrgetter("dtype")  # C callables for map
 
 # (kernel, the tail's specialisation, constexprs, options) -> a number
 _fixed_keys: dict[tuple, int] = {}
@@ -65,9 +66,12 @@ class Launch:
         if not self.direct:
             self.kernel[grid](*head, *self.tail, **self.kwargs)
             return
-        pointers = [t.data_ptr() for t in head]
+        pointers = [*map(_data_ptr, head)]
         device = head[0].get_device()
-        key = (self.key, device, *_head_key(head, pointers))
+        # what Triton specialises on in the head: 16-byte alignment (True when every pointer
+        # is aligned, found by one C-level OR; else each pointer's) and the dtypes
+        aligned = not reduce(or_, pointers) & 15 or tuple([p % 16 == 0 for p in pointers])
+        key = (self.key, device, aligned, *map(_dtype, head))
         compiled = _compiled.get(key)
         if compiled is None:
             kernel = self.kernel[grid](*head, *self.tail, **self.kwargs)
@@ -79,13 +83,6 @@ class Launch:
             *grid, _current_stream(device), function, metadata, None, None, None,
             *pointers, *self.rest,
         )  # fmt: skip
-
-
-def _head_key(head: tuple[torch.Tensor, ...], pointers: list[int]) -> tuple:
-    """What Triton specialises on in the per-call tensors: dtypes and 16-byte alignment (True
-    when every pointer is aligned, found by one C-level OR; else each pointer's)."""
-    aligned = not reduce(or_, pointers) & 15 or tuple([p % 16 == 0 for p in pointers])
-    return aligned, *[t.dtype for t in head]
 
 
 def _address(arg):

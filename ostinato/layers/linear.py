@@ -78,6 +78,8 @@ class Linear(nn.Module):
         spec = building_spec()
         self.quantize_at_load = spec is not None and not spec.from_checkpoint
         self.block = spec.block if spec is not None else None  # None: a scale per row
+        # a plain attribute: every eager call asks, and `scale` misses through Module.__getattr__
+        self.fp8 = self.block is not None  # the weight is FP8 (per row: from finish_loading)
         dtype = FP8 if self.block else None
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
@@ -100,20 +102,21 @@ class Linear(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scale is not None:
+        if self.fp8:
             return fp8_linear(x, self.weight, self.scale, bias, self.block)
         return project(x, self.weight, bias)
 
     def finish_loading(self) -> None:
         """FP8 at load: the loaded weight becomes FP8 rows and a scale per row."""
-        if self.quantize_at_load and self.scale is None:
+        if self.quantize_at_load and not self.fp8:
             weight, scale = quantize_rows(self.weight.data)
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
+            self.fp8 = True
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the small-batch kernel runs this projection of x, with the ops around it."""
-        return FUSE and self.scale is None and gemv_pays(x, self.weight)  # not FP8 weights
+        return FUSE and not self.fp8 and gemv_pays(x, self.weight)
 
 
 class ColumnParallelLinear(Linear):
