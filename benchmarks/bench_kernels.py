@@ -9,8 +9,7 @@ small-batch projection kernel against cuBLAS, (`gemv-rows`) that kernel at 1-32 
 fusions against cuBLAS and the kernels the unfused path launches around it, (`fp8`) the FP8
 small-batch kernel against the one it replaced, bf16 cuBLAS and the copy floor, (`moe`)
 qwen3-30b-a3b's fused MoE GEMMs at decode sizes against their launch before and the copy floor,
-and (`moe-block`) its whole MoE block, router to output, against the kernel sequence before,
-and (`lora`) the fused LoRA decode kernel against shrink + expand on Llama-3.1-8B's projections.
+and (`moe-block`) its whole MoE block, router to output, against the kernel sequence before.
 Kernels are timed inside CUDA graphs, as the engine runs them: no launch overhead, and each
 captured call reads its own KV blocks or weights so the L2 cache cannot serve repeats. The
 `sweep`, `fp8-sweep` and `moe-sweep` sections also time other launch configurations, to tune
@@ -26,29 +25,18 @@ import statistics
 import subprocess
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from ostinato.context import LoRAMetadata
-from ostinato.kernels import (
-    fp8,
-    fused_add_rms_norm,
-    lora,
-    moe,
-    rms_norm,
-    rope_and_store,
-    silu_and_mul,
-)
+from ostinato.kernels import fp8, fused_add_rms_norm, moe, rms_norm, rope_and_store, silu_and_mul
 from ostinato.kernels import gemv as gemv_module
 from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.gemv import gemv, gemv_normed
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.rope_store import rotary_torch
 from ostinato.layers.linear import project
-from ostinato.runner.input_buffers import group_by_adapter
 
 attention = importlib.import_module("ostinato.kernels.paged_attention")
 fp8_gemv_before = importlib.import_module("fp8_gemv_before")  # benchmarks/, beside this file
@@ -731,100 +719,6 @@ def _moe_short(config: moe.MoeConfig) -> str:
 # ---- report ------------------------------------------------------------------------------
 
 
-# ---- LoRA ----------------------------------------------------------------------------------
-
-LORA_SHAPES = {  # llama-3.1-8b's projections: (shard widths, K)
-    "qkv": ([4096, 1024, 1024], 4096),
-    "o": ([4096], 4096),
-    "gate|up": ([14336, 14336], 4096),
-    "down": ([4096], 14336),
-}
-LORA_CASES = [(1, 1), (8, 1), (32, 4)]  # (tokens, adapters): the tokens spread over them
-LORA_RANK = 16
-
-
-def _lora_ring(shards: list[int], k: int, adapters: int) -> list[tuple]:
-    """Slot buffers (a, b, ranks) of rank-16 adapters for back-to-back calls, one set a call
-    as each layer has its own, together larger than L2."""
-    per_call = adapters * LORA_RANK * (len(shards) * k + sum(shards)) * 2
-    count = max(8, min(512, L2_FLUSH_BYTES // per_call))
-    ranks = torch.full((adapters, len(shards)), LORA_RANK, dtype=torch.int32, device="cuda")
-    return [
-        (
-            torch.randn(adapters, len(shards) * LORA_RANK, k, device="cuda").div(k**0.5).bfloat16(),
-            torch.randn(adapters, sum(shards), LORA_RANK, device="cuda", dtype=torch.bfloat16),
-            ranks,
-        )
-        for _ in range(count)
-    ]
-
-
-def _lora_meta(tokens: int, adapters: int) -> LoRAMetadata:
-    """Token t uses adapter t % adapters; groups padded as the graph ladder pads them."""
-    slots = np.arange(tokens) % adapters
-    indices, used, starts, counts = group_by_adapter(slots)
-    as_int = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")
-    return LoRAMetadata(adapters, as_int(indices), as_int(used), as_int(starts), as_int(counts))
-
-
-def _lora_configs(default: lora.FusedConfig, widest: int) -> list[lora.FusedConfig]:
-    """fused_config's launch, then other K steps, warps and stages, and half and twice its
-    columns a program."""
-    configs = [default]
-    for block_k in (128, 256, 512):
-        for warps in (4, 8):
-            for stages in (2, 3):
-                configs.append(default._replace(block_k=block_k, num_warps=warps,
-                                                num_stages=stages))  # fmt: skip
-    for cols in (default.cols // 2, default.cols * 2):
-        if default.block_n <= cols <= 2 * widest:
-            configs.append(default._replace(cols=cols))
-    return list(dict.fromkeys(configs))
-
-
-def lora_rows() -> list[list[str]]:
-    """Each projection at LORA_CASES: shrink + expand, the fused kernel in fused_config's
-    launch and the fastest of _lora_configs, µs per call in a CUDA graph."""
-    return [
-        _lora_row(name, shards, k, tokens, adapters)
-        for name, (shards, k) in LORA_SHAPES.items()
-        for tokens, adapters in LORA_CASES
-    ]
-
-
-def _lora_row(name: str, shards: list[int], k: int, tokens: int, adapters: int) -> list[str]:
-    offsets = tuple(sum(shards[:i]) for i in range(len(shards) + 1))
-    ring = _lora_ring(shards, k, adapters)
-    meta = _lora_meta(tokens, adapters)
-    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(tokens, sum(shards), device="cuda", dtype=torch.bfloat16)
-
-    def two(a, b, ranks):
-        lora.lora_expand(lora.lora_shrink(x, a, ranks, meta), b, ranks, offsets, y, meta)
-
-    def fused(a, b, ranks, config):
-        lora.lora_fused(x, a, b, ranks, offsets, y, meta, config)
-
-    default = lora.fused_config(shards, tokens, adapters, LORA_RANK, 2)
-    timed = {
-        config: graph_seconds([lambda s=s, c=config: fused(*s, c) for s in ring])
-        for config in _lora_configs(default, max(shards))
-    }
-    best = min(timed, key=timed.get)
-    two_s = graph_seconds([lambda s=s: two(*s) for s in ring])
-    programs = sum(-(-w // default.cols) for w in shards) * adapters
-    return [
-        name, str(tokens), str(adapters), "yes" if lora.lora_fused_pays(x) else "no",
-        str(programs), f"{two_s * 1e6:.2f}", f"{timed[default] * 1e6:.2f}",
-        f"{two_s / timed[default]:.2f}x", f"{timed[best] * 1e6:.2f}", _lora_short(best),
-    ]  # fmt: skip
-
-
-def _lora_short(config: lora.FusedConfig) -> str:
-    return (f"cols {config.cols}, n {config.block_n}, k {config.block_k}, "
-            f"{config.num_warps} warps, {config.num_stages} stages")  # fmt: skip
-
-
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -1093,10 +987,7 @@ def main() -> None:
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
         "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
         "copy bandwidth), moe-sweep (their launch configurations), moe-block (its whole MoE "
-        "block, router to output, against the kernel sequence before issue 21's fusions), "
-        "lora (the fused LoRA decode kernel against shrink + expand on llama-3.1-8b's "
-        "projections at 1, 8 and 32 tokens, with a sweep of its launch: sets "
-        "lora.FUSED_MAX_TOKENS)",
+        "block, router to output, against the kernel sequence before issue 21's fusions)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
@@ -1328,31 +1219,6 @@ def main() -> None:
         sections.append(
             "## MoE grouped GEMM launch configurations (fastest first)\n\n"
             + table(["case", "config", "µs", "of copy"], moe_sweep_rows(rings, copy_bw))
-        )
-    if "lora" in chosen:
-        sections.append(
-            f"## LoRA at decode sizes (llama-3.1-8b's projections, rank-{LORA_RANK} adapters "
-            "in bf16; µs per call in a CUDA graph, each call on its own adapters' weights)\n\n"
-            + table(
-                [
-                    "projection",
-                    "tokens",
-                    "adapters",
-                    "fused in the engine",
-                    "fused programs",
-                    "shrink + expand µs",
-                    "fused µs",
-                    "fused speedup",
-                    "best fused µs",
-                    "best fused launch",
-                ],
-                lora_rows(),
-            )  # fmt: skip
-            + f"\n\nfused in the engine: whether LoRALinear takes the fused kernel (at most "
-            f"lora.FUSED_MAX_TOKENS = {lora.FUSED_MAX_TOKENS} tokens). fused programs: those "
-            "that may hold tokens in fused_config's launch, each re-reading its shard's A "
-            f"({LORA_RANK} x K) from L2. best: the fastest of fused_config's launch and the "
-            "others of `_lora_configs`."
         )
     if "sweep" in chosen:
         sections.append(

@@ -10,10 +10,6 @@ group i holds the `counts[i]` tokens listed from `token_indices[starts[i]]` on, 
 
 shrink: partials[p, t] = x[t] @ a[slot]^T over the p-th split of K (float32)
 expand: y[t, shard] += (sum_p partials[p, t, shard]) @ b[slot, shard]^T, in place
-fused (decode, up to FUSED_MAX_TOKENS tokens): both in one launch. Each program recomputes
-its tokens' rank-R shrink for its shard over the whole of K, then expands it into its own
-output columns: no partials buffer, no second launch, at the price of every program reading
-that shard's A (R x K) and its tokens' rows of x, from L2 after the first.
 
 Graph-safe: the grid depends on the padded token count and the padded number of groups (both
 fixed by the batch descriptor), every count and index is read on the device, and spare
@@ -26,8 +22,6 @@ slot, rank, token) was most of each kernel's time.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -60,90 +54,6 @@ def lora_expand(
         _expand_triton(partials, b, ranks, offsets, y, meta)
     else:
         lora_expand_torch(partials, b, ranks, offsets, y, meta)
-
-
-# The most tokens (the step's padded count) that take the fused kernel. Each of its programs
-# (about _FUSED_PROGRAMS) re-reads one shard's A and its tokens' rows of x, (R + tokens) * K
-# * 2 bytes in bf16: 136-192 KB for K = 4096 and 476-672 KB for down's K = 14336 at R = 16
-# and 1-8 tokens, an estimated 1.5-7 µs for one SM reading L2 at ~100 GB/s, against the
-# ~7 µs of the two launches it replaces (3.6 µs each on the H100 with PDL). With more tokens
-# the rows of x and the groups (each multiplies the programs) grow the re-reads, while the
-# two kernels read A once. `bench_kernels.py --sections lora` times both ways at 1, 8 and 32
-# tokens; set this from its table.
-FUSED_MAX_TOKENS = 8
-
-
-def lora_fused_pays(x: torch.Tensor) -> bool:
-    """Whether the step's LoRA terms take the fused kernel: the padded token count alone
-    decides, so a graph's warm-up and capture launch the same kernels."""
-    return use_triton(x) and x.shape[0] <= FUSED_MAX_TOKENS
-
-
-class FusedConfig(NamedTuple):
-    cols: int  # output columns per program (a multiple of block_n)
-    block_n: int  # output columns per step of the expand
-    block_k: int  # K per step of the shrink
-    num_warps: int
-    num_stages: int
-
-
-def lora_fused(
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    ranks: torch.Tensor,
-    offsets: tuple[int, ...],
-    y: torch.Tensor,
-    meta: LoRAMetadata,
-    config: FusedConfig | None = None,
-) -> None:
-    """y [T, N] += the adapter term of every grouped token in one launch (Triton only: see
-    lora_fused_pays); the same sums as lora_shrink then lora_expand. config: fused_config's
-    unless given (benchmarks time others)."""
-    num_tokens = y.shape[0]
-    if num_tokens == 0:
-        return
-    shards, rank_max = ranks.shape[1], b.shape[2]
-    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and b.is_contiguous()
-    assert offsets[0] == 0 and len(offsets) == shards + 1 <= 4
-    widths = [hi - lo for lo, hi in zip(offsets[:-1], offsets[1:], strict=True)]
-    block_r = _block_r(rank_max)
-    if config is None:
-        config = fused_config(widths, num_tokens, meta.num_active, rank_max, x.element_size())
-    tiles = [triton.cdiv(w, config.cols) for w in widths]
-    ends = [*offsets[1:], *[offsets[-1]] * (4 - len(offsets))]
-    firsts = [sum(tiles[: s + 1]) for s in range(2)]  # the first tile of shards 1 and 2
-    grid = (sum(tiles), triton.cdiv(num_tokens, _FUSED_BLOCK_M), meta.num_active)
-    tail = (x.shape[1], *ends, *firsts, shards, x.stride(0), a.stride(0), b.stride(0),
-            y.stride(0))  # fmt: skip
-    constexprs = dict(R=rank_max, COLS=config.cols, BLOCK_M=_FUSED_BLOCK_M,
-                      BLOCK_N=config.block_n, BLOCK_R=block_r, BLOCK_K=config.block_k,
-                      PRECISION=_precision(y.dtype))  # fmt: skip
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    _launch(_fused_kernel, grid, tail, constexprs, num_head=9, **options).run(
-        grid, x, a, b, ranks, y, meta.token_indices, meta.slots, meta.starts, meta.counts
-    )
-
-
-_FUSED_BLOCK_M = 16  # tokens of a group per program: tl.dot's smallest tile
-_FUSED_PROGRAMS = 64  # about half an H100's SMs: each program's A comes from L2, and more
-# programs than this would make the L2 (~5.5 TB/s, ~66 SMs' worth) the limit
-
-
-def fused_config(
-    widths: list[int], num_tokens: int, num_groups: int, rank_max: int, itemsize: int
-) -> FusedConfig:
-    """Columns per program: the fewest that keep the programs doing work (tiles times the
-    (group, token tile) pairs that can hold tokens) at about _FUSED_PROGRAMS."""
-    block_n = 128
-    m_tiles = triton.cdiv(num_tokens, _FUSED_BLOCK_M)
-    pairs = min(num_groups * m_tiles, num_groups + m_tiles - 1)
-    programs = lambda cols: sum(triton.cdiv(w, cols) for w in widths) * pairs
-    cols = block_n
-    while programs(cols) > _FUSED_PROGRAMS and cols < max(widths):
-        cols *= 2
-    block_k = max(16, min(512, 16384 // (_block_r(rank_max) * itemsize)))  # A tiles <= 16 KiB
-    return FusedConfig(cols, block_n, block_k, num_warps=4, num_stages=3)
 
 
 def _groups(meta: LoRAMetadata):
@@ -278,68 +188,6 @@ def _expand_kernel(
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@jit(do_not_specialize=["num_shards"])
-def _fused_kernel(
-    x_ptr, a_ptr, b_ptr, ranks_ptr, y_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr,
-    K, end_0, end_1, end_2, first_1, first_2, num_shards, stride_x, stride_a, stride_b,
-    stride_y,
-    R: tl.constexpr, COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Grid (column tile, token tile, group): the shrink of BLOCK_M tokens of a group over
-    all of K for the tile's shard, then its COLS output columns. Shard s ends at column end_s
-    and its tiles start at tile first_s (first_0 = 0)."""
-    tile = tl.program_id(0)
-    tile_m = tl.program_id(1)
-    group = tl.program_id(2)
-    count = tl.load(counts_ptr + group)
-    slot = tl.load(slots_ptr + group).to(tl.int64)
-    start = tl.load(starts_ptr + group)
-    if tile_m * BLOCK_M >= count:
-        return
-    shard = (tile >= first_1).to(tl.int32) + (tile >= first_2).to(tl.int32)
-    first = tl.where(shard == 0, 0, tl.where(shard == 1, first_1, first_2))
-    n_lo = tl.where(shard == 0, 0, tl.where(shard == 1, end_0, end_1)) + (tile - first) * COLS
-    n_hi = tl.minimum(n_lo + COLS, tl.where(shard == 0, end_0, tl.where(shard == 1, end_1, end_2)))
-    rank = tl.load(ranks_ptr + slot * num_shards + shard)
-    if rank == 0:
-        return
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < count
-    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < rank
-    a_rows = a_ptr + slot * stride_a + (shard * R + r)[None, :] * K
-    k = tl.arange(0, BLOCK_K)
-    at = tl.load(a_rows + k[:, None], mask=r_ok[None, :] & (k < K)[:, None], other=0.0)
-    b_rows = b_ptr + slot * stride_b + r[:, None]
-    n = n_lo + tl.arange(0, BLOCK_N)
-    bt = tl.load(b_rows + n[None, :] * R, mask=r_ok[:, None] & (n < n_hi)[None, :], other=0.0)
-    if PDL:  # A's and B's first tiles came in while the kernel before ran; x and y are
-        tl.extra.cuda.gdc_wait()  # written in-step
-        tl.extra.cuda.gdc_launch_dependents()
-    x_rows = x_ptr + token[:, None] * stride_x
-    xt = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-    acc = tl.dot(xt, at, input_precision=PRECISION)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        at = tl.load(a_rows + k[:, None], mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-        xt = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(xt, at, input_precision=PRECISION)
-    s = acc.to(bt.dtype)  # rounded as the two-kernel path rounds the summed partials
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < n_hi
-        if n0 != n_lo:
-            bt = tl.load(b_rows + n[None, :] * R, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        y = y_ptr + token[:, None] * stride_y + n[None, :]
-        mask = row_ok[:, None] & n_ok[None, :]
-        out = tl.load(y, mask=mask, other=0.0).to(tl.float32)
-        out += tl.dot(s, bt, input_precision=PRECISION)
-        tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def _block_m(num_tokens: int, block_r: int) -> int:
     """Tokens per program: as few as the batch needs, and a [block_m, block_r] float32 tile
     of at most 4096 elements."""
@@ -422,18 +270,15 @@ def _expand_triton(partials, b, ranks, offsets, y, meta):
 _launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path
 
 
-def _launch(
-    kernel, grid: tuple, tail: tuple, constexprs: dict, num_head: int = 8, **options
-) -> Launch:
-    """The cached launch of kernel for these trailing arguments, constexprs and options (the
-    first num_head arguments, the tensors, are given per call)."""
-    key = (kernel, tail, *constexprs.values(), *options.values(), interpreting())
+def _launch(kernel, grid: tuple, tail: tuple, constexprs: dict) -> Launch:
+    """The cached launch of kernel for these trailing arguments and constexprs (the first
+    eight arguments, the tensors, are given per call)."""
+    key = (kernel, tail, *constexprs.values(), interpreting())
     launch = _launches.get(key)
     if launch is None:
         pdl = pdl_options()
         launch = _launches[key] = Launch(
-            kernel, grid, num_head=num_head, tail=tail,
-            constexprs={**constexprs, "PDL": pdl["PDL"]}, launch_pdl=pdl["launch_pdl"],
-            **options,
+            kernel, grid, num_head=8, tail=tail, constexprs={**constexprs, "PDL": pdl["PDL"]},
+            launch_pdl=pdl["launch_pdl"],
         )  # fmt: skip
     return launch

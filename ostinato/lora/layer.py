@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ostinato.context import get_forward_context
-from ostinato.kernels.lora import lora_expand, lora_fused, lora_fused_pays, lora_shrink
+from ostinato.kernels.lora import lora_expand, lora_shrink
 
 
 class LoRALinear(nn.Module):
@@ -39,9 +39,6 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         meta = get_forward_context().lora
         if meta is None:  # no adapter in this step: the base projection alone
-            return y
-        if lora_fused_pays(x):  # decode: shrink and expand in one launch
-            lora_fused(x, self.lora_a, self.lora_b, self.lora_ranks, self.offsets, y, meta)
             return y
         partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
         lora_expand(partials, self.lora_b, self.lora_ranks, self.offsets, y, meta)
