@@ -887,6 +887,19 @@ ROW_SWEEP_SHAPES = {  # one row: name -> (weight rows, K, silu, normed)
 }
 
 
+ROW_SWEEP_HEADER = [
+    "projection",
+    "MB",
+    "floor µs",
+    "ours µs",
+    "ours config",
+    "best µs",
+    "best config",
+    "ours / best",
+    "the eight fastest (rows x columns / warps: µs)",
+]
+
+
 def gemv_row_sweep_rows(copy_bw: float) -> list[list[str]]:
     """The one-row kernel with its fusion, in gemv_config's launch and a grid of others
     (weight rows a program, columns a chunk, warps), each call on its own weights from a ring
@@ -943,6 +956,7 @@ def fp8_row_sweep_rows(copy_bw: float) -> list[list[str]]:
             name, f"{n * k / 1e6:.1f}", f"{n * k / copy_bw * 1e6:.2f}",
             f"{timed[default] * 1e6:.2f}", _fp8_short(default),
             f"{timed[ranked[0]] * 1e6:.2f}", _fp8_short(ranked[0]),
+            f"{timed[default] / timed[ranked[0]]:.2f}x",
             " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{timed[c] * 1e6:.2f}"
                      for c in ranked[:8]),
         ])  # fmt: skip
@@ -1060,37 +1074,13 @@ def main() -> None:
         sections.append(
             "## The one-row projection kernel's launches (µs per call in a CUDA graph; floor: "
             "the weights read at copy bandwidth)\n\n"
-            + table(
-                [
-                    "projection",
-                    "MB",
-                    "floor µs",
-                    "ours µs",
-                    "ours config",
-                    "best µs",
-                    "best config",
-                    "ours / best",
-                ],
-                gemv_row_sweep_rows(copy_bw),
-            )  # fmt: skip
+            + table(ROW_SWEEP_HEADER, gemv_row_sweep_rows(copy_bw))
         )
     if "fp8-row-sweep" in chosen:
         sections.append(
             "## The FP8 kernel at one row: its launches (µs per call in a CUDA graph; floor: "
             "the FP8 weights read at copy bandwidth)\n\n"
-            + table(
-                [
-                    "projection",
-                    "MB",
-                    "floor µs",
-                    "ours µs",
-                    "ours config",
-                    "best µs",
-                    "best config",
-                    "the eight fastest (rows x columns / warps: µs)",
-                ],
-                fp8_row_sweep_rows(copy_bw),
-            )  # fmt: skip
+            + table(ROW_SWEEP_HEADER, fp8_row_sweep_rows(copy_bw))
         )
     if "gemv-rows" in chosen:
         projection_rows, layer_rows = gemv_by_rows(copy_bw)
