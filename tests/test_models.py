@@ -11,7 +11,6 @@ from helpers import make_hf_checkpoint
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineConfig
 from ostinato.context import AttentionMetadata, ForwardContext, forward_context
-from ostinato.kernels import gemv as gemv_module
 from ostinato.layers import linear as linear_module
 from ostinato.loader import load_hf_config, load_model
 from ostinato.models.base import IntermediateTensors
@@ -127,7 +126,6 @@ def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, m
     fused = []  # the projections of the layers (the LM head would only slow the interpreter)
     pays = lambda x, w: w.shape[0] != hf.config.vocab_size and not fused.append(w.shape)  # noqa: E731
     monkeypatch.setattr(linear_module, "gemv_pays", pays)
-    monkeypatch.setattr(gemv_module, "_PROGRAMS", 8)  # wide programs: fewer to interpret
     positions, meta = step_metadata(lens, [1] * len(lens))
     got = run(model, kv, torch.cat([s[-1:] for s in seqs]), positions, meta)
     assert len(fused) >= 4 * hf.config.num_hidden_layers
@@ -142,7 +140,6 @@ def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
     vocab = whole.config.vocab_size
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w: w.shape[0] != vocab)
-    monkeypatch.setattr(gemv_module, "_PROGRAMS", 8)
     input_ids = torch.randint(0, vocab, (1,))
     positions, meta = step_metadata([0], [1])
     want = run(whole, kv_caches(whole.config), input_ids, positions, meta)
