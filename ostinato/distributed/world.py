@@ -109,7 +109,7 @@ def join(
     if config.is_cuda:
         torch.cuda.set_device(device)
     os.environ.setdefault(*NCCL_ERROR_HANDLING)  # read when the NCCL group is made, just below
-    _teardown.reset()
+    _teardown.reset(nccl=config.is_cuda)
     dist.init_process_group(
         "nccl" if config.is_cuda else "gloo",
         init_method=None if meet is not None else "env://",
@@ -184,17 +184,19 @@ class _Teardown:
     when a worker dies while the main thread may be leaving: the two never overlap, an abort
     after leaving does nothing, and each happens at most once.
 
-    Both first drop what holds the communicators (`release_before_teardown`), then run with a
-    deadline: a destroy or abort that does not return in TEARDOWN_S is left to the process's
-    exit with a warning, and nothing later touches the groups."""
+    Both first drop what holds the communicators (`release_before_teardown`). Over NCCL they
+    then run with a deadline: a destroy or abort that does not return in TEARDOWN_S is left to
+    the process's exit with a warning, and nothing later touches the groups (gloo ends its
+    waits at its own timeouts)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.aborted = self.left = self.stuck = False
+        self.aborted = self.left = self.stuck = self.nccl = False
 
-    def reset(self) -> None:
+    def reset(self, nccl: bool = False) -> None:
         with self._lock:
             self.aborted = self.left = self.stuck = False
+            self.nccl = nccl
 
     def __call__(self, abort: bool) -> None:
         with self._lock:
@@ -212,6 +214,9 @@ class _Teardown:
 
     def _bounded(self, op: Callable[[], None], what: str) -> None:
         if self.stuck:  # an earlier op still runs: a second one would wait behind it
+            return
+        if not self.nccl:
+            op()
             return
         thread = threading.Thread(target=op, name="ostinato-teardown", daemon=True)
         thread.start()
@@ -235,6 +240,8 @@ def release_before_teardown(release: Callable[[], None]) -> None:
 
 
 def _release_holders() -> None:
+    if not _holders:
+        return
     while _holders:
         release = _holders.pop()()
         if release is not None:

@@ -119,8 +119,8 @@ class ModelRunner:
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
         self.held = None  # logits and rows of a step whose sampling waits for its bitmask
         self.graphs = GraphRunner(config, tp_group().agree_max)
-        if self.rank.world_size > 1:  # graphs with collectives hold the communicators
-            release_before_teardown(self.graphs.close)
+        if self.rank.world_size > 1 and self.graphs.mode is not CudaGraphMode.NONE:
+            release_before_teardown(self.graphs.close)  # graphs hold the communicators
         self.kv_caches: list = []
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
