@@ -368,6 +368,9 @@ def test_a_driver_stopped_mid_generation_leaves_no_process_behind(tmp_path, sig)
     driver = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO},  # this ostinato
+        # a user's Ctrl-C reaches a process that takes SIGINT; a child inherits an ignored
+        # SIGINT (Python then installs no KeyboardInterrupt), whatever ignored it in this one
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         assert _read_line(driver, timeout=120) == "stepping"
