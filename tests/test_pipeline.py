@@ -368,9 +368,7 @@ def test_a_driver_stopped_mid_generation_leaves_no_process_behind(tmp_path, sig)
     driver = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO},  # this ostinato
-        # a user's Ctrl-C reaches a process that takes SIGINT; a child inherits an ignored
-        # SIGINT (Python then installs no KeyboardInterrupt), whatever ignored it in this one
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=_takes_sigint,
     )  # fmt: skip
     try:
         assert _read_line(driver, timeout=120) == "stepping"
@@ -387,6 +385,14 @@ def test_a_driver_stopped_mid_generation_leaves_no_process_behind(tmp_path, sig)
     while any(is_alive(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in children if is_alive(p)]
+
+
+def _takes_sigint() -> None:
+    """A user's Ctrl-C reaches a process that takes SIGINT. A child inherits an ignored
+    SIGINT (then Python installs no KeyboardInterrupt) and a blocked one, whatever ignored or
+    blocked it in the test process: the driver starts with neither."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:
