@@ -2,6 +2,7 @@
 a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
 
 import copy
+import types
 import importlib
 
 import pytest
@@ -416,6 +417,48 @@ def test_per_call_tensors_key_on_dtype_and_alignment(monkeypatch):
     assert len(compiles) == len(heads) and len(launched) == len(heads) + 1
     pointers = (x[8:].data_ptr(), x.data_ptr())
     assert launched[-1][:3] == (1, 1, 1) and launched[-1][9:] == (*pointers, 48, 64)
+
+
+def test_triton36_launches_skip_the_launchers_python(monkeypatch):
+    """Where the compiled kernel's launcher is Triton 3.6's and the kernel needs no scratch, a
+    cached launch calls its C launch with the arguments CudaLauncher.__call__ would add
+    (cooperative, PDL, no scratch); with scratch, or another Triton version, the launcher."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(launch_module, "_current_stream", lambda device: 7)
+    calls = []
+
+    class CudaLauncher:  # the shape of Triton 3.6's
+        launch_cooperative_grid, launch_pdl, profile_scratch_size = False, True, 0
+
+        def __init__(self, scratch):
+            self.global_scratch_size = scratch
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            calls.append(("launcher", gridX, gridY, gridZ, stream, function, *args))
+
+        @staticmethod
+        def launch(*args):
+            calls.append(("c", *args))
+
+    x, y = torch.zeros(64), torch.zeros(64)
+    ptrs = (x.data_ptr(), y.data_ptr())
+    for version, scratch, want in [
+        ("3.6.0", 0, ("c", 2, 1, 1, 7, "f", False, True, None, None, (4, 1, 0), None, None,
+                      None, *ptrs, 48, 64)),
+        ("3.6.0", 256, ("launcher", 2, 1, 1, 7, "f", (4, 1, 0), None, None, None, *ptrs, 48, 64)),
+        ("3.9.0", 0, ("launcher", 2, 1, 1, 7, "f", (4, 1, 0), None, None, None, *ptrs, 48, 64)),
+    ]:  # fmt: skip
+        compiled = types.SimpleNamespace(
+            run=CudaLauncher(scratch), function="f", packed_metadata=(4, 1, 0)
+        )
+        monkeypatch.setattr(Kernel, "run", lambda self, *a, grid, warmup, **kw: compiled)
+        monkeypatch.setattr(launch_module.triton, "__version__", version)
+        monkeypatch.setattr(launch_module, "_compiled", {})
+        launch_module._passes_through.cache_clear()
+        launch = Launch(_copy_kernel, (2, 1, 1), num_head=2, tail=(48,), constexprs={"BLOCK": 64})
+        launch(x, y)  # compiles
+        launch(x, y)
+        assert calls.pop() == want and not calls
 
 
 # ---- rope + KV store ---------------------------------------------------------------------

@@ -132,9 +132,27 @@ def _rope_and_store_kernel(
 def _rope_and_store_triton(
     q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps
 ) -> None:
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     if num_tokens == 0:
         return
+    norm = q_weight is not None
+    # shapes and whole stride tuples: what the checks and the launch read of them, so both
+    # run once per key (an eager step calls this once a layer)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), k_cache.shape, k_cache.stride(),
+           v_cache.stride(), cos_sin_cache.stride(), q.dtype, k.dtype, v.dtype, k_cache.dtype,
+           norm and (q_weight.stride(), k_weight.stride()), eps, interpreting())  # fmt: skip
+    launch = _launches.get(key)
+    if launch is None:
+        launch = _launches[key] = _rope_launch(q, k, v, cos_sin_cache, k_cache, v_cache, q_weight,
+                                               k_weight, eps)  # fmt: skip
+    launch.run(
+        (num_tokens, 1, 1), q, k, v, q_weight if norm else q, k_weight if norm else q, positions,
+        cos_sin_cache, slot_mapping, k_cache, v_cache,
+    )  # fmt: skip
+
+
+def _rope_launch(q, k, v, cos_sin_cache, k_cache, v_cache, q_weight, k_weight, eps) -> Launch:
+    num_tokens, num_heads, head_dim = q.shape
     assert q.dtype == k.dtype == v.dtype == k_cache.dtype and k_cache.stride() == v_cache.stride()
     assert q.stride(2) == k.stride(2) == v.stride(2) == k_cache.stride(3) == 1
     assert cos_sin_cache.stride(1) == 1
@@ -146,26 +164,19 @@ def _rope_and_store_triton(
         eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
     )  # fmt: skip
-    key = (tail, num_heads, kv_heads, head_dim, k_cache.shape[1], norm, interpreting())
-    launch = _launches.get(key)
-    if launch is None:
-        heads_p2 = triton.next_power_of_2(num_heads + kv_heads)
-        half_p2 = triton.next_power_of_2(head_dim // 2)
-        pdl = pdl_options()
-        launch = _launches[key] = Launch(
-            _rope_and_store_kernel, (num_tokens, 1, 1), num_head=10, tail=tail,
-            constexprs=dict(
-                NUM_HEADS=num_heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
-                HEADS_P2=heads_p2, KV_P2=triton.next_power_of_2(kv_heads), HALF_P2=half_p2,
-                NORM=norm, PDL=pdl["PDL"],
-            ),
-            # about 16 elements of each half per thread, so wide models (64 + 8 heads) do not
-            # spill
-            num_warps=min(16, max(4, heads_p2 * half_p2 // 512)), launch_pdl=pdl["launch_pdl"],
-        )  # fmt: skip
-    launch.run(
-        (num_tokens, 1, 1), q, k, v, q_weight if norm else q, k_weight if norm else q, positions,
-        cos_sin_cache, slot_mapping, k_cache, v_cache,
+    heads_p2 = triton.next_power_of_2(num_heads + kv_heads)
+    half_p2 = triton.next_power_of_2(head_dim // 2)
+    pdl = pdl_options()
+    return Launch(
+        _rope_and_store_kernel, (num_tokens, 1, 1), num_head=10, tail=tail,
+        constexprs=dict(
+            NUM_HEADS=num_heads, KV_HEADS=kv_heads, HALF=head_dim // 2, PAGE=k_cache.shape[1],
+            HEADS_P2=heads_p2, KV_P2=triton.next_power_of_2(kv_heads), HALF_P2=half_p2,
+            NORM=norm, PDL=pdl["PDL"],
+        ),
+        # about 16 elements of each half per thread, so wide models (64 + 8 heads) do not
+        # spill
+        num_warps=min(16, max(4, heads_p2 * half_p2 // 512)), launch_pdl=pdl["launch_pdl"],
     )  # fmt: skip
 
 

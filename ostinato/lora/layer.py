@@ -44,9 +44,6 @@ class LoRALinear(nn.Module):
         lora_expand(partials, self.lora_b, self.lora_ranks, self.offsets, y, meta)
         return y
 
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.base.split(out)
-
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()

@@ -67,6 +67,7 @@ class LlamaAttention(nn.Module):
         # this rank's heads; a KV head is shared by several ranks when there are fewer of them
         q_rows, kv_rows, _ = self.qkv_proj.out_sizes
         self.heads, self.kv_heads, self.dim = q_rows // dim, kv_rows // dim, dim
+        self.head_split = [self.heads, self.kv_heads, self.kv_heads]  # q | k | v, in heads
         self.o_proj = RowParallelLinear(heads * dim, config.hidden_size, o_bias)
         # Qwen3 normalises each head of q and k before rotating them
         self.q_norm = RMSNorm(dim, config.rms_norm_eps) if qk_norm else None
@@ -84,10 +85,8 @@ class LlamaAttention(nn.Module):
         """The residual stream (hidden + residual; hidden alone when residual is None) after
         this block adds attention over norm(stream) to it, as the same kind of pair."""
         qkv, residual = normed_projection(self.qkv_proj, norm, hidden, residual)
-        q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(-1, self.heads, self.dim)
-        k = k.view(-1, self.kv_heads, self.dim)
-        v = v.view(-1, self.kv_heads, self.dim)
+        # one view and one split: this runs once a layer in every eager step
+        q, k, v = qkv.view(qkv.shape[0], -1, self.dim).split_with_sizes(self.head_split, 1)
         out = self.attn(positions, q, k, v, self.rotary, self.q_norm, self.k_norm)
         return residual_projection(self.o_proj, out.flatten(1), residual)
 
