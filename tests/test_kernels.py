@@ -2,8 +2,8 @@
 a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
 
 import copy
-import types
 import importlib
+import types
 
 import pytest
 import torch
@@ -451,7 +451,7 @@ def test_triton36_launches_skip_the_launchers_python(monkeypatch):
         compiled = types.SimpleNamespace(
             run=CudaLauncher(scratch), function="f", packed_metadata=(4, 1, 0)
         )
-        monkeypatch.setattr(Kernel, "run", lambda self, *a, grid, warmup, **kw: compiled)
+        monkeypatch.setattr(Kernel, "run", lambda self, *a, c=compiled, **kw: c)
         monkeypatch.setattr(launch_module.triton, "__version__", version)
         monkeypatch.setattr(launch_module, "_compiled", {})
         launch_module._passes_through.cache_clear()
@@ -525,6 +525,21 @@ def test_rope_and_store(group, head_dim, norm, dtype):
     assert torch.equal(case.caches[1].flatten(0, 1)[stored], v_before[case.slots >= 0])
     k_rows = case.caches[0].flatten(0, 1)
     assert (~k_rows.isnan()).flatten(1).all(1).sum() == len(stored)
+
+
+def test_rope_launches_follow_each_calls_layout():
+    """The cached launch is keyed by the layout it was built for: q, k and v as views of one
+    qkv row, then as separate tensors of the same shapes (other strides), each as the
+    unfused sequence gives them."""
+    views = RopeCase(5, 4, 2, 64, torch.float32)
+    for case in (views, views.clone()):
+        twin = case.clone()
+        case.run(rope_and_store, True)
+        twin.run(rope_and_store_torch, True)
+        close(case.q, twin.q, torch.float32)
+        close(case.k, twin.k, torch.float32)
+        assert torch.equal(case.caches[1].isnan(), twin.caches[1].isnan())
+        close(case.caches[1].nan_to_num(), twin.caches[1].nan_to_num(), torch.float32)
 
 
 def test_rope_and_store_rounds_like_the_unfused_layers():

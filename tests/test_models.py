@@ -132,6 +132,25 @@ def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, m
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
+    """Linear.fuses asks gemv_pays once per input shape, dtype and device (every eager step
+    asks it once a projection), and still follows the FUSE switch and an FP8 weight."""
+    asked = []
+    monkeypatch.setattr(
+        linear_module, "gemv_pays", lambda x, w: not asked.append(x.shape) and x.dtype == w.dtype
+    )
+    proj = linear_module.Linear(8, 4)
+    one, two = torch.zeros(1, 8), torch.zeros(2, 8)
+    assert proj.fuses(one) and proj.fuses(one) and proj.fuses(two)
+    assert asked == [(1, 8), (2, 8)]
+    assert not proj.fuses(one.to(torch.bfloat16)) and len(asked) == 3
+    monkeypatch.setattr(linear_module, "FUSE", False)
+    assert not proj.fuses(one)
+    monkeypatch.setattr(linear_module, "FUSE", True)
+    proj.fp8 = True
+    assert not proj.fuses(one) and len(asked) == 3
+
+
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
     """Where the last projection of a stage added the residual itself, the stage sends the
     stream with a zero residual, and the next stage's sum is the same stream."""

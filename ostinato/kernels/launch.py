@@ -98,19 +98,18 @@ def _launcher(kernel) -> tuple:
     return run, (kernel.function, kernel.packed_metadata, None, None, None)
 
 
-# Triton versions whose CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)
-# allocates scratch and then calls self.launch(gridX, gridY, gridZ, stream, function,
-# cooperative, pdl, global_scratch, profile_scratch, *args), and nothing else
+# Triton versions whose CudaLauncher.__call__, with these parameters, allocates scratch and then
+# calls self.launch(gridX, gridY, gridZ, stream, function, cooperative, pdl, global_scratch,
+# profile_scratch, *args), and does nothing else
 _PASS_THROUGH_VERSIONS = ("3.6.",)
+_PASS_THROUGH_PARAMETERS = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
 
 
 @cache
 def _passes_through(launcher_type: type) -> bool:
-    names = list(inspect.signature(launcher_type.__call__).parameters)
-    return (
-        triton.__version__.startswith(_PASS_THROUGH_VERSIONS)
-        and names == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
-    )
+    if not triton.__version__.startswith(_PASS_THROUGH_VERSIONS):
+        return False
+    return list(inspect.signature(launcher_type.__call__).parameters) == _PASS_THROUGH_PARAMETERS
 
 
 def _address(arg):

@@ -80,6 +80,7 @@ class Linear(nn.Module):
         self.block = spec.block if spec is not None else None  # None: a scale per row
         # a plain attribute: every eager call asks, and `scale` misses through Module.__getattr__
         self.fp8 = self.block is not None  # the weight is FP8 (per row: from finish_loading)
+        self._pays: dict[tuple, bool] = {}  # fuses' answer per input; the weight's shape is fixed
         dtype = FP8 if self.block else None
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
@@ -115,8 +116,15 @@ class Linear(nn.Module):
             self.fp8 = True
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the small-batch kernel runs this projection of x, with the ops around it."""
-        return FUSE and not self.fp8 and gemv_pays(x, self.weight)
+        """Whether the small-batch kernel runs this projection of x, with the ops around it.
+        Asked once a projection by every eager step, so answered once per input shape."""
+        if not FUSE or self.fp8:
+            return False
+        key = (x.shape, x.dtype, x.is_cuda)
+        pays = self._pays.get(key)
+        if pays is None:
+            pays = self._pays[key] = gemv_pays(x, self.weight)
+        return pays
 
 
 class ColumnParallelLinear(Linear):
