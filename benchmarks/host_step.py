@@ -17,10 +17,11 @@ TRITON_INTERPRET is unset (so `interpreting()` reads the environment and answers
 Launch goes direct), the SM count is an H100's 132 and PDL is on. A kernel's first launch
 returns a stand-in for the compiled kernel whose launcher does nothing.
 
-Not covered: Triton's launcher (CudaLauncher.__call__ and the driver call, ~10 µs a launch on
-the H100 host), torch's CUDA allocator and kernel launches (embedding, LM head, index: a few
-µs each on the GPU, CPU ops here), the step's input copies and the sampler (as in graph
-modes). The CPU is not the GPU host's: compare runs made on one machine, at one time.
+Not covered: Triton's launcher (its C launch and the driver call, about 4 µs a launch on the
+H100 host; with Triton 3.6, kernels/launch.py skips CudaLauncher.__call__'s Python, which
+other versions still run), torch's CUDA allocator and kernel launches (embedding, LM head,
+index: a few µs each on the GPU, CPU ops here), the step's input copies and the sampler (as
+in graph modes). The CPU is not the GPU host's: compare runs made on one machine, at one time.
 Prints µs of CPU time per step (the least of --repeats runs of --steps steps) and a cProfile
 top list.
 """
