@@ -7,6 +7,8 @@ PIECEWISE graph runs between its segments) and a mixed step (a prefill chunk bes
 
 Each result is one JSON line (--json appends them to a file) and a line of the table printed
 at the end. Prompts are 512 random tokens, unique per request, so the prefix cache serves none.
+With --num-loras N, the engine has LoRA on and the decode requests take N random adapters of
+--lora-rank in turn (as `ostinato bench latency --num-loras` does).
 """
 
 from __future__ import annotations
@@ -18,21 +20,24 @@ import importlib
 import json
 import pstats
 import statistics
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
 
 import torch
 
-from ostinato.bench import copy_bandwidth, decode_floor_bytes
+from ostinato.bench import copy_bandwidth, decode_floor_bytes, random_adapters
 from ostinato.config import EngineConfig
 from ostinato.context import ForwardContext, forward_context
 from ostinato.engine.engine import LLMEngine
 from ostinato.graphs.modes import CudaGraphMode
+from ostinato.lora.request import LoRARequest
 from ostinato.sampling_params import SamplingParams
 
 PROMPT = 512
 _seed = iter(range(10**9))
+_adapters: list[LoRARequest] = []  # the profiled engine's (--num-loras), taken in turn
 
 
 def sync() -> None:
@@ -48,7 +53,12 @@ def prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
 def start_decoding(engine: LLMEngine, batch: int, max_tokens: int) -> None:
     """batch requests past their prefill, each with a sampled token."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    ids = {engine.add_request(p, params) for p in prompts(engine, batch, PROMPT)}
+    ids = {
+        engine.add_request(
+            p, params, lora_request=_adapters[i % len(_adapters)] if _adapters else None
+        )
+        for i, p in enumerate(prompts(engine, batch, PROMPT))
+    }
     started: set[str] = set()
     while not ids <= started:
         started.update(o.request_id for o in engine.step())
@@ -346,8 +356,11 @@ def mixed_step_ms(engine: LLMEngine, decodes: int = 31, chunk: int = 256, reps: 
     return {"mixed_step_ms": statistics.median(times), "step_mode": ",".join(modes)}
 
 
-def build(model: str, mode: str, quantization: str | None = None) -> LLMEngine:
-    """Without async scheduling: the sections below schedule and run steps one at a time."""
+def build(
+    model: str, mode: str, quantization: str | None = None, loras: int = 0, rank: int = 16
+) -> LLMEngine:
+    """Without async scheduling: the sections below schedule and run steps one at a time. With
+    loras, LoRA on with slots for that many adapters of that rank."""
     return LLMEngine(
         EngineConfig(
             model=model,
@@ -355,6 +368,9 @@ def build(model: str, mode: str, quantization: str | None = None) -> LLMEngine:
             max_model_len=2048,
             async_scheduling=False,
             quantization=quantization,
+            enable_lora=loras > 0,
+            max_loras=max(loras, 1),
+            max_lora_rank=rank,
         )
     )
 
@@ -372,6 +388,10 @@ def main() -> None:
         "step-kernels (the kernels of whole decode steps: forward, LM head, sampling)",
     )
     parser.add_argument("--label", default="", help="a tag for this tree, e.g. a commit")
+    parser.add_argument(
+        "--num-loras", type=int, default=0, help="random adapters the decode requests take"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default 16)")
     parser.add_argument("--quantization", help="e.g. fp8: the decode sections on FP8 weights")
     parser.add_argument("--prefill-lengths", default="512,2048,8192", help="prefill section")
     parser.add_argument("--json", help="append every result here as a JSON line")
@@ -413,7 +433,8 @@ def main() -> None:
     rows = []
 
     def emit(**result) -> None:
-        result = {"label": args.label, "model": args.model, **result}
+        loras = {"num_loras": args.num_loras} if args.num_loras else {}
+        result = {"label": args.label, "model": args.model, **loras, **result}
         rows.append(result)
         print(json.dumps(result), flush=True)
         if args.json:
@@ -424,7 +445,9 @@ def main() -> None:
         if "prefill" in sections:
             for result in prefill_kernels(args.model, mode, lengths):
                 emit(section="prefill", **result)
-        engine = build(args.model, mode, args.quantization)
+        engine = build(args.model, mode, args.quantization, args.num_loras, args.lora_rank)
+        adapter_dir = tempfile.TemporaryDirectory(prefix="ostinato-lora-")
+        _adapters[:] = random_adapters(engine, args.num_loras, args.lora_rank, adapter_dir.name)
         for batch in batches:
             if "decode" in sections:
                 ms = decode_ms(engine, batch, args.steps)
@@ -444,6 +467,7 @@ def main() -> None:
         if "mixed" in sections:
             emit(mode=mode, section="mixed", **mixed_step_ms(engine))
         engine.shutdown()
+        adapter_dir.cleanup()
         del engine
         gc.collect()
         torch.cuda.empty_cache()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from ostinato.engine.engine import LLMEngine
+
 
 @pytest.fixture(scope="module")
 def profile_step():
@@ -30,3 +32,26 @@ def test_phases_and_host_sections_run_on_tiny(profile_step, monkeypatch, tmp_pat
     assert phases["step_mode"] == "none" and phases["batch"] == 2
     assert all(phases[p] > 0 for p in ("prepare", "forward", "sample"))
     assert rows["host"]["step_ms_profiled"] > 0 and rows["host"]["top"]
+
+
+def test_num_loras_gives_the_decode_requests_adapters_in_turn(profile_step, monkeypatch, tmp_path):
+    """--num-loras 2: the engine has LoRA on and the profiled decode requests take the two
+    random adapters in turn; the rows say how many."""
+    taken = []
+    add = LLMEngine.add_request
+    monkeypatch.setattr(
+        LLMEngine,
+        "add_request",
+        lambda self, *a, lora_request=None, **kw: (
+            taken.append(lora_request) or add(self, *a, lora_request=lora_request, **kw)
+        ),
+    )
+    out = tmp_path / "rows.jsonl"
+    argv = ["profile_step.py", "--model", "tiny", "--modes", "none", "--batch-sizes", "3",
+            "--sections", "phases", "--num-loras", "2", "--lora-rank", "4",
+            "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_step.main()
+    names = [r.name for r in taken[:3]]
+    assert names == ["lora0", "lora1", "lora0"]
+    assert json.loads(out.read_text().splitlines()[0])["num_loras"] == 2
