@@ -105,9 +105,9 @@ def test_column_parallel_qkv_holds_whole_heads_and_shares_kv_heads(on_ranks, tp)
     for rank in ranks:
         fill(rank, tensors)
     x = torch.randn(5, hidden)
-    q, k, v = (t.unflatten(-1, (-1, dim)) for t in whole.split(whole(x)))
+    q, k, v = (t.unflatten(-1, (-1, dim)) for t in whole(x).split(whole.out_sizes, -1))
     for r, out in enumerate(run_ranks(ranks, x)):
-        q_r, k_r, v_r = (t.unflatten(-1, (-1, dim)) for t in ranks[r].split(out))
+        q_r, k_r, v_r = (t.unflatten(-1, (-1, dim)) for t in out.split(ranks[r].out_sizes, -1))
         own = slice(r * heads // tp, (r + 1) * heads // tp)
         kv = r * kv_heads // tp  # with 4 ranks, ranks 2h and 2h + 1 share KV head h
         kv_own = slice(kv, kv + max(1, kv_heads // tp))

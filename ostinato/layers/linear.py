@@ -180,9 +180,6 @@ class ColumnParallelLinear(Linear):
         rows = self.rows[shard]
         here.copy_(loaded[rows.start // unit : rows.stop // unit])
 
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return out.split(self.out_sizes, dim=-1)
-
 
 class RowParallelLinear(Linear):
     """A projection whose input features (the heads or intermediate features a column-parallel
