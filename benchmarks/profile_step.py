@@ -413,6 +413,8 @@ def main() -> None:
         "--fp8-dot-rows", type=int, help="A/B: fp8.FP8_DOT_ROWS (0: the weight-only dot)"
     )
     args = parser.parse_args()
+    if args.num_loras < 0 or args.lora_rank < 1:
+        parser.error("--num-loras must be at least 0 and --lora-rank at least 1")
     if args.no_sdpa:
         importlib.import_module("ostinato.attention.triton_backend").SDPA_MIN_TOKENS = 1 << 62
     if args.no_pdl:

@@ -55,3 +55,11 @@ def test_num_loras_gives_the_decode_requests_adapters_in_turn(profile_step, monk
     names = [r.name for r in taken[:3]]
     assert names == ["lora0", "lora1", "lora0"]
     assert json.loads(out.read_text().splitlines()[0])["num_loras"] == 2
+
+
+@pytest.mark.parametrize("flags", [["--num-loras", "-1"], ["--num-loras", "1", "--lora-rank", "0"]])
+def test_bad_lora_flags_are_refused(profile_step, monkeypatch, capsys, flags):
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--model", "tiny", *flags])
+    with pytest.raises(SystemExit):
+        profile_step.main()
+    assert "--num-loras must be at least 0" in capsys.readouterr().err
