@@ -29,7 +29,7 @@ import torch
 
 from ostinato.bench import copy_bandwidth, decode_floor_bytes, random_adapters
 from ostinato.config import EngineConfig
-from ostinato.context import ForwardContext, forward_context
+from ostinato.context import forward_context
 from ostinato.engine.engine import LLMEngine
 from ostinato.graphs.modes import CudaGraphMode
 from ostinato.lora.request import LoRARequest
@@ -117,11 +117,7 @@ def phases(engine: LLMEngine, batch: int, steps: int) -> dict:
 
 
 def forward(runner, step):
-    ctx = ForwardContext(
-        runner.buffers.metadata(step.padded_tokens, step.padded_reqs),
-        runner.kv_caches,
-        runner.backend,
-    )
+    ctx = runner._context(step.padded_tokens, step.padded_reqs, step.desc.num_active_loras)
     with forward_context(ctx):
         return runner.graphs.run(
             step.mode, step.desc, step.num_tokens, lambda: runner._model_forward(step.padded_tokens)
@@ -165,7 +161,9 @@ def one_decode_step(engine: LLMEngine, batch: int):
     times (it rewrites the same KV slots), and is handed back unrun."""
     start_decoding(engine, batch, 1000)
     sched = engine.scheduler.schedule()
-    step = engine.runner.build_step(sched)
+    step = engine.runner.build_step(sched, engine.lora)  # the requests' adapters, as step() does
+    for load in step.lora_loads:
+        engine.runner.lora.load(load.slot, load.path)
     engine.runner.buffers.load(step)
     engine.scheduler.complete(sched, ran=False)
     sync()
@@ -299,11 +297,7 @@ def pieces(engine: LLMEngine, batch: int) -> dict:
     runner = engine.runner
     graph = runner.graphs.graphs[CudaGraphMode.PIECEWISE][step.desc]
     segment, brk = graph._steps[2], graph._steps[1]
-    ctx = ForwardContext(
-        runner.buffers.metadata(step.padded_tokens, step.padded_reqs),
-        runner.kv_caches,
-        runner.backend,
-    )
+    ctx = runner._context(step.padded_tokens, step.padded_reqs, step.desc.num_active_loras)
     with forward_context(ctx):
         result = {
             "attention_call_us": per_call_us(brk),

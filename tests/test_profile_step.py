@@ -63,3 +63,19 @@ def test_bad_lora_flags_are_refused(profile_step, monkeypatch, capsys, flags):
     with pytest.raises(SystemExit):
         profile_step.main()
     assert "--num-loras must be at least 0" in capsys.readouterr().err
+
+
+def test_a_profiled_decode_step_runs_its_requests_adapters(profile_step, monkeypatch, tmp_path):
+    """The kernels and pieces sections run one step by hand (one_decode_step, forward): with
+    --num-loras that step must carry the requests' adapters, or the profile shows the base
+    step's kernels under a LoRA label (session 22 saw no LoRA kernel in such a profile)."""
+    layer = importlib.import_module("ostinato.lora.layer")
+    engine = profile_step.build("tiny", "none", loras=1, rank=4)
+    adapters = profile_step.random_adapters(engine, 1, 4, str(tmp_path))
+    monkeypatch.setattr(profile_step, "_adapters", adapters)
+    step = profile_step.one_decode_step(engine, 2)
+    shrinks = []
+    shrink = layer.lora_shrink
+    monkeypatch.setattr(layer, "lora_shrink", lambda *a: shrinks.append(1) or shrink(*a))
+    profile_step.forward(engine.runner, step)
+    assert step.desc.num_active_loras == 1 and shrinks
