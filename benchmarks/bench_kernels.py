@@ -30,10 +30,13 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from ostinato.context import LoRAMetadata
 from ostinato.kernels import fp8, fused_add_rms_norm, moe, rms_norm, rope_and_store, silu_and_mul
 from ostinato.kernels import gemv as gemv_module
+from ostinato.kernels import lora as lora_module
 from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.gemv import gemv, gemv_normed
+from ostinato.kernels.lora import lora_expand, lora_shrink
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.rope_store import rotary_torch
 from ostinato.layers.linear import project
@@ -719,6 +722,77 @@ def _moe_short(config: moe.MoeConfig) -> str:
 # ---- report ------------------------------------------------------------------------------
 
 
+# ---- LoRA ----------------------------------------------------------------------------------
+
+LORA_SHAPES = {  # llama-3.1-8b's projections: (shard widths, K)
+    "qkv": ([4096, 1024, 1024], 4096),
+    "o": ([4096], 4096),
+    "gate|up": ([14336, 14336], 4096),
+    "down": ([4096], 14336),
+}
+LORA_LAYERS, LORA_RANK, LORA_SLOTS = 32, 16, 4
+
+
+def _lora_metadata(tokens: int, adapters: int) -> LoRAMetadata:
+    """tokens split evenly over `adapters` groups, group g in slot g."""
+    per = tokens // adapters
+    as_cuda = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
+    return LoRAMetadata(
+        adapters, as_cuda(range(tokens)), as_cuda(range(adapters)),
+        as_cuda([g * per for g in range(adapters)]), as_cuda([per] * adapters),
+    )  # fmt: skip
+
+
+def _lora_calls(tokens: int, adapters: int) -> list[Callable]:
+    """Every projection's shrink and expand for LORA_LAYERS layers of llama-3.1-8b, each layer
+    on its own slot buffers (more than the L2 holds), all slots at LORA_RANK."""
+    meta = _lora_metadata(tokens, adapters)
+    calls = []
+    for _ in range(LORA_LAYERS):
+        for shards, k in LORA_SHAPES.values():
+            like = dict(device="cuda", dtype=torch.bfloat16)
+            a = torch.randn(LORA_SLOTS, len(shards) * LORA_RANK, k, **like) / k**0.5
+            b = torch.randn(LORA_SLOTS, sum(shards), LORA_RANK, **like)
+            ranks = torch.full((LORA_SLOTS, len(shards)), LORA_RANK, dtype=torch.int32,
+                               device="cuda")  # fmt: skip
+            offsets = tuple(sum(shards[:i]) for i in range(len(shards) + 1))
+            x = torch.randn(tokens, k, **like)
+            y = torch.randn(tokens, sum(shards), **like)
+
+            def call(x=x, a=a, b=b, ranks=ranks, offsets=offsets, y=y):
+                lora_expand(lora_shrink(x, a, ranks, meta), b, ranks, offsets, y, meta)
+
+            calls.append(call)
+    return calls
+
+
+def lora_rows() -> list[list[str]]:
+    """µs per layer (shrink and expand of all four projections) in a CUDA graph, each variant:
+    the shrink summing its splits (lora.SUM_SPLITS) or expand summing them, at the default
+    split of K and at fixed ones."""
+    rows = []
+    default_splits = lora_module._splits
+    for tokens, adapters in ((1, 1), (8, 1), (32, 4)):
+        timed = {}
+        for summed in (True, False):
+            for split in (None, 1, 2, 4, 8, 16):
+                lora_module.SUM_SPLITS = summed
+                fixed = (lambda *a, split=split: split) if split else default_splits
+                lora_module._splits = fixed
+                try:
+                    seconds = graph_seconds(_lora_calls(tokens, adapters), replays=3, trials=3)
+                finally:
+                    lora_module._splits, lora_module.SUM_SPLITS = default_splits, True
+                timed[(summed, split or "default")] = seconds * len(LORA_SHAPES) * 1e6
+        base = timed[(False, "default")]
+        for (summed, split), us in sorted(timed.items(), key=lambda kv: kv[1]):
+            rows.append([
+                f"{tokens} x {adapters}", "shrink" if summed else "expand", str(split),
+                f"{us:.1f}", f"{base / us:.2f}",
+            ])  # fmt: skip
+    return rows
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
@@ -1001,7 +1075,9 @@ def main() -> None:
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
         "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
         "copy bandwidth), moe-sweep (their launch configurations), moe-block (its whole MoE "
-        "block, router to output, against the kernel sequence before issue 21's fusions)",
+        "block, router to output, against the kernel sequence before issue 21's fusions), "
+        "lora (llama-3.1-8b's LoRA shrink and expand per layer: who sums the split-K "
+        "partials, and the split)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
@@ -1219,6 +1295,15 @@ def main() -> None:
         sections.append(
             "## Decode attention launch configurations at short contexts (µs, fastest first)\n\n"
             + table(["case", "config", "µs"], decode_sweep_rows(pool))
+        )
+    if "lora" in chosen:
+        sections.append(
+            "## LoRA shrink + expand (llama-3.1-8b, rank 16; µs per layer of four projections in "
+            "a CUDA graph; tokens x adapters; who sums the split-K partials; splits of K)\n\n"
+            + table(
+                ["tokens x adapters", "sums", "split", "µs per layer", "vs expand, default"],
+                lora_rows(),
+            )
         )
     if "prefill-sweep" in chosen:
         sections.append(

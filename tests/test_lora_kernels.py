@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ostinato.context import LoRAMetadata
+from ostinato.kernels import lora as lora_module
 from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
 from ostinato.runner.input_buffers import group_by_adapter
 
@@ -56,12 +57,17 @@ def reference_64(x, y, a, b, token_slots, offsets, rank_max):
     return out
 
 
+@pytest.mark.parametrize("summed", [True, False], ids=["shrink-sums", "expand-sums"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     ("num_tokens", "shard_sizes", "k"),
     [(5, [64, 32, 32], 256), (40, [48], 80), (3, [96, 96], 64)],  # split K; odd widths; 2 shards
 )
-def test_shrink_expand_match_torch_and_reference(dtype, num_tokens, shard_sizes, k):
+def test_shrink_expand_match_torch_and_reference(
+    dtype, num_tokens, shard_sizes, k, summed, monkeypatch
+):
+    """summed: the shrink's last split sums the partials (the default); else expand does."""
+    monkeypatch.setattr(lora_module, "SUM_SPLITS", summed)
     rank_max, slots = 16, 3
     ranks = [[8] * len(shard_sizes), [16] * len(shard_sizes), [4] * len(shard_sizes)]
     ranks[0][-1] = 0  # adapter in slot 0 leaves its last shard alone
@@ -86,8 +92,9 @@ def test_shrink_expand_match_torch_and_reference(dtype, num_tokens, shard_sizes,
     untouched = [t for t, s in enumerate(token_slots) if s < 0]
     assert torch.equal(y_triton[untouched], y[untouched])
     assert not torch.equal(y_triton, y)
-    if num_tokens == 5:
-        assert partials.shape[0] > 1  # the decode-sized case splits K
+    if num_tokens == 5:  # the decode-sized case splits K
+        split = lora_module._splits(x, len(shard_sizes), 16, lora_module._block_k(16, 2))
+        assert split > 1 and partials.shape[0] == (1 if summed else split)
 
 
 def test_no_grouped_token_leaves_the_output_alone():

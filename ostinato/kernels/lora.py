@@ -28,13 +28,27 @@ import triton
 import triton.language as tl
 
 from ostinato.context import LoRAMetadata
-from ostinato.kernels.dispatch import interpreting, jit, num_sms, pdl_options, use_triton
+from ostinato.kernels.dispatch import (
+    SPLIT_COUNTS,
+    interpreting,
+    jit,
+    num_sms,
+    pdl_options,
+    split_counts,
+    use_triton,
+)
 from ostinato.kernels.launch import Launch
+from ostinato.kernels.small_batch import arrive, gather
+
+# the shrink's last split sums the partials, so expand reads one [T, shards * R] (an A/B switch
+# for benches: else every expand program reads all SPLIT partials of its tokens)
+SUM_SPLITS = True
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, meta: LoRAMetadata):
-    """x [T, K], a [slots, shards * R, K] -> float32 partial sums [splits, T, shards * R]; rows
-    of tokens outside every group are left unwritten."""
+    """x [T, K], a [slots, shards * R, K] -> float32 partial sums [splits, T, shards * R] (one
+    split, the whole sum, with SUM_SPLITS); rows of tokens outside every group are left
+    unwritten."""
     if use_triton(x):
         return _shrink_triton(x, a, ranks, meta)
     return lora_shrink_torch(x, a, ranks, meta)
@@ -87,12 +101,14 @@ def lora_expand_torch(partials, b, ranks, offsets, y, meta):
 
 @jit(do_not_specialize=["num_shards"])  # one compiled variant for every projection
 def _shrink_kernel(
-    x_ptr, a_ptr, ranks_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr,
+    x_ptr, a_ptr, ranks_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr, sem_ptr,
     K, num_shards, stride_x, stride_a, stride_split, stride_out,
-    R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Grid (token tile * SPLIT, shard, group): one split of K for BLOCK_M tokens of a group."""
+    """Grid (token tile * SPLIT, shard, group): one split of K for BLOCK_M tokens of a group.
+    SUM: the last split of each (tile, shard, group) to finish sums the SPLIT partials in split
+    order into split 0's place (kernels/small_batch.py's count at sem_ptr)."""
     tile = tl.program_id(0) // SPLIT
     split = tl.program_id(0) % SPLIT
     shard = tl.program_id(1)
@@ -129,8 +145,16 @@ def _shrink_kernel(
             other=0.0,
         )
         acc += tl.dot(xt, at, input_precision=PRECISION)
-    out = out_ptr + split * stride_split + token[:, None] * stride_out + (shard * R + r)[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & (r < R)[None, :])
+    out = out_ptr + token[:, None] * stride_out + (shard * R + r)[None, :]
+    ok = row_ok[:, None] & (r < R)[None, :]
+    tl.store(out + split * stride_split, acc, mask=ok)
+    if SUM:
+        tiles = tl.num_programs(0) // SPLIT
+        sem = sem_ptr + (group * tl.num_programs(1) + shard) * tiles + tile
+        last = arrive(sem, SPLIT)
+        ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
+        tl.store(out, gather(out, stride_split, ok, SPLIT), mask=ok)
+        tl.store(sem, 0, mask=last)
 
 
 @jit(do_not_specialize=["num_shards"])
@@ -235,14 +259,17 @@ def _shrink_triton(x, a, ranks, meta):
         return out
     assert x.stride(1) == 1 and a.is_contiguous()
     block_m = _block_m(num_tokens, block_r)
-    grid = (triton.cdiv(num_tokens, block_m) * split, shards, meta.num_active)
+    tiles = triton.cdiv(num_tokens, block_m)
+    grid = (tiles * split, shards, meta.num_active)
+    summed = SUM_SPLITS and split > 1 and tiles * shards * meta.num_active <= SPLIT_COUNTS
+    sem = split_counts(x.device, "LoRA shrink") if summed else x
     tail = (k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1))
     constexprs = dict(R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r,
-                      BLOCK_K=block_k, PRECISION=_precision(x.dtype))  # fmt: skip
-    _launch(_shrink_kernel, grid, tail, constexprs).run(
-        grid, x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts
+                      BLOCK_K=block_k, PRECISION=_precision(x.dtype), SUM=summed)  # fmt: skip
+    _launch(_shrink_kernel, grid, tail, constexprs, num_head=9).run(
+        grid, x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts, sem
     )
-    return out
+    return out[:1] if summed else out
 
 
 def _expand_triton(partials, b, ranks, offsets, y, meta):
@@ -270,15 +297,15 @@ def _expand_triton(partials, b, ranks, offsets, y, meta):
 _launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path
 
 
-def _launch(kernel, grid: tuple, tail: tuple, constexprs: dict) -> Launch:
+def _launch(kernel, grid: tuple, tail: tuple, constexprs: dict, num_head: int = 8) -> Launch:
     """The cached launch of kernel for these trailing arguments and constexprs (the first
-    eight arguments, the tensors, are given per call)."""
+    num_head arguments, the tensors, are given per call)."""
     key = (kernel, tail, *constexprs.values(), interpreting())
     launch = _launches.get(key)
     if launch is None:
         pdl = pdl_options()
         launch = _launches[key] = Launch(
-            kernel, grid, num_head=8, tail=tail, constexprs={**constexprs, "PDL": pdl["PDL"]},
-            launch_pdl=pdl["launch_pdl"],
+            kernel, grid, num_head=num_head, tail=tail,
+            constexprs={**constexprs, "PDL": pdl["PDL"]}, launch_pdl=pdl["launch_pdl"],
         )  # fmt: skip
     return launch
