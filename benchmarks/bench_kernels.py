@@ -769,26 +769,31 @@ def _lora_calls(tokens: int, adapters: int) -> list[Callable]:
 def lora_rows() -> list[list[str]]:
     """µs per layer (shrink and expand of all four projections) in a CUDA graph, each variant:
     the shrink summing its splits (lora.SUM_SPLITS) or expand summing them, at the default
-    split of K and at fixed ones."""
+    split of K and chunk of K per step, and at fixed ones (splits beyond K's chunks idle)."""
     rows = []
-    default_splits = lora_module._splits
+    default_splits, default_block_k = lora_module._splits, lora_module._block_k
+    variants = [(False, None, None), (True, None, None)] + [
+        (True, split, block_k) for split in (8, 16, 32, 64) for block_k in (32, 64, 128)
+    ]
     for tokens, adapters in ((1, 1), (8, 1), (32, 4)):
         timed = {}
-        for summed in (True, False):
-            for split in (None, 1, 2, 4, 8, 16):
-                lora_module.SUM_SPLITS = summed
-                fixed = (lambda *a, split=split: split) if split else default_splits
-                lora_module._splits = fixed
-                try:
-                    seconds = graph_seconds(_lora_calls(tokens, adapters), replays=3, trials=3)
-                finally:
-                    lora_module._splits, lora_module.SUM_SPLITS = default_splits, True
-                timed[(summed, split or "default")] = seconds * len(LORA_SHAPES) * 1e6
-        base = timed[(False, "default")]
-        for (summed, split), us in sorted(timed.items(), key=lambda kv: kv[1]):
+        for summed, split, block_k in variants:
+            lora_module.SUM_SPLITS = summed
+            if split:
+                lora_module._splits = lambda *a, split=split: split
+            if block_k:
+                lora_module._block_k = lambda *a, block_k=block_k: block_k
+            try:
+                seconds = graph_seconds(_lora_calls(tokens, adapters), replays=3, trials=3)
+            finally:
+                lora_module.SUM_SPLITS = True
+                lora_module._splits, lora_module._block_k = default_splits, default_block_k
+            timed[(summed, split or "default", block_k or "default")] = seconds * 4 * 1e6
+        base = timed[(False, "default", "default")]
+        for (summed, split, block_k), us in sorted(timed.items(), key=lambda kv: kv[1]):
             rows.append([
                 f"{tokens} x {adapters}", "shrink" if summed else "expand", str(split),
-                f"{us:.1f}", f"{base / us:.2f}",
+                str(block_k), f"{us:.1f}", f"{base / us:.2f}",
             ])  # fmt: skip
     return rows
 
@@ -1077,7 +1082,7 @@ def main() -> None:
         "copy bandwidth), moe-sweep (their launch configurations), moe-block (its whole MoE "
         "block, router to output, against the kernel sequence before issue 21's fusions), "
         "lora (llama-3.1-8b's LoRA shrink and expand per layer: who sums the split-K "
-        "partials, and the split)",
+        "partials, the split and chunk of K)",
     )
     args = parser.parse_args()
     chosen = set(args.sections.split(","))
@@ -1301,7 +1306,7 @@ def main() -> None:
             "## LoRA shrink + expand (llama-3.1-8b, rank 16; µs per layer of four projections in "
             "a CUDA graph; tokens x adapters; who sums the split-K partials; splits of K)\n\n"
             + table(
-                ["tokens x adapters", "sums", "split", "µs per layer", "vs expand, default"],
+                ["tokens x adapters", "sums", "split", "block_k", "µs per layer", "vs before"],
                 lora_rows(),
             )
         )
