@@ -1303,8 +1303,8 @@ def main() -> None:
         )
     if "lora" in chosen:
         sections.append(
-            "## LoRA shrink + expand (llama-3.1-8b, rank 16; µs per layer of four projections in "
-            "a CUDA graph; tokens x adapters; who sums the split-K partials; splits of K)\n\n"
+            "## LoRA shrink + expand (llama-3.1-8b, rank 16; µs per layer of four projections "
+            "in a CUDA graph; who sums the split-K partials; splits and chunk of K)\n\n"
             + table(
                 ["tokens x adapters", "sums", "split", "block_k", "µs per layer", "vs before"],
                 lora_rows(),

@@ -93,7 +93,7 @@ def test_shrink_expand_match_torch_and_reference(
     assert torch.equal(y_triton[untouched], y[untouched])
     assert not torch.equal(y_triton, y)
     if num_tokens == 5:  # the decode-sized case splits K
-        split = lora_module._splits(x, len(shard_sizes), 16, lora_module._block_k(16, 2))
+        split = lora_module._splits(x, len(shard_sizes), 16, lora_module._block_k(16, 2), summed)
         assert split > 1 and partials.shape[0] == (1 if summed else split)
 
 

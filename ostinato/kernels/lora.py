@@ -223,13 +223,17 @@ def _block_r(rank_max: int) -> int:
     return max(16, triton.next_power_of_2(rank_max))
 
 
-def _splits(x: torch.Tensor, shards: int, block_r: int, block_k: int) -> int:
-    """Split K when the token tiles alone cannot fill the GPU (decode): a power of two, small
-    enough for expand to sum the partials in registers (at most 8192 floats a program)."""
+def _splits(x: torch.Tensor, shards: int, block_r: int, block_k: int, summed: bool) -> int:
+    """Split K when the token tiles alone cannot fill the GPU (decode): a power of two. Where
+    expand sums the partials (not `summed` by the shrink), few enough for its registers (at
+    most 8192 floats a program); the H100 sweep (`bench_kernels.py --sections lora`,
+    benchmarks/h100-2026-11-26-s22.md) found 32 splits of 128 columns best at 1 token and at
+    32 tokens of 4 adapters once the shrink sums."""
     block_m = _block_m(x.shape[0], block_r)
     programs = triton.cdiv(x.shape[0], block_m) * shards
     want = min(triton.cdiv(2 * num_sms(x.device, 4), programs), triton.cdiv(x.shape[1], block_k))
-    want = min(want, 8192 // (block_m * block_r))
+    if not summed:
+        want = min(want, 8192 // (block_m * block_r))
     return 1 << (max(want, 1).bit_length() - 1)
 
 
@@ -253,15 +257,16 @@ def _shrink_triton(x, a, ranks, meta):
     rank_max = width // shards
     block_r = _block_r(rank_max)
     block_k = _block_k(block_r, x.element_size())
-    split = _splits(x, shards, block_r, block_k)
+    block_m = _block_m(num_tokens, block_r)
+    tiles = triton.cdiv(num_tokens, block_m)
+    sums = SUM_SPLITS and tiles * shards * meta.num_active <= SPLIT_COUNTS
+    split = _splits(x, shards, block_r, block_k, sums)
+    summed = sums and split > 1
     out = torch.empty(split, num_tokens, width, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
     assert x.stride(1) == 1 and a.is_contiguous()
-    block_m = _block_m(num_tokens, block_r)
-    tiles = triton.cdiv(num_tokens, block_m)
     grid = (tiles * split, shards, meta.num_active)
-    summed = SUM_SPLITS and split > 1 and tiles * shards * meta.num_active <= SPLIT_COUNTS
     sem = split_counts(x.device, "LoRA shrink") if summed else x
     tail = (k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1))
     constexprs = dict(R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r,
