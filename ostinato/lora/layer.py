@@ -36,11 +36,22 @@ class LoRALinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         meta = get_forward_context().lora
         if meta is None:  # no adapter in this step: the base projection alone
-            return y
-        partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
+            return self.base(x)
+        if x.is_cuda:
+            # the shrink on a side stream beside the base projection, which reads the same x:
+            # its latency hides behind the projection's (a fork and a join in a captured graph)
+            main = torch.cuda.current_stream(x.device)
+            side = _side_stream(x.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
+            y = self.base(x)
+            main.wait_stream(side)
+        else:
+            y = self.base(x)
+            partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
         lora_expand(partials, self.lora_b, self.lora_ranks, self.offsets, y, meta)
         return y
 
@@ -56,3 +67,14 @@ class LoRALinear(nn.Module):
         self.lora_a[slot, row : row + rank].copy_(a)
         self.lora_b[slot, self.offsets[shard] : self.offsets[shard + 1], :rank].copy_(b)
         self.lora_ranks[slot, shard] = rank
+
+
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One per device, shared by every LoRA layer: each joins it back before its expand."""
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)
+    return stream

@@ -11,8 +11,11 @@ from helpers import make_hf_checkpoint, make_peft_adapter
 from oracle import hf_greedy, hf_model, oracle_prompts
 
 from ostinato import LLM, LoRARequest, SamplingParams
-from ostinato.context import LoRAMetadata
+from ostinato.context import ForwardContext, LoRAMetadata, forward_context
 from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
+from ostinato.layers.linear import Linear
+from ostinato.lora import layer as lora_layer
+from ostinato.lora.layer import LoRALinear
 from ostinato.runner.input_buffers import group_by_adapter
 
 pytestmark = pytest.mark.gpu
@@ -134,3 +137,34 @@ def test_kernels_match_torch_on_8b_shapes(num_tokens, shards):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     untouched = torch.from_numpy(token_slots < 0).to(dev)
     assert torch.equal(got[untouched], y[untouched])
+
+
+def test_the_expand_waits_for_the_side_stream_shrink(monkeypatch):
+    """LoRALinear runs its shrink on a side stream beside the base projection; the expand, on
+    the step's stream, must wait for it. A shrink held back by a device sleep on its stream
+    still gives the one-stream result (without the wait, the expand reads partials not yet
+    written)."""
+    torch.manual_seed(0)
+    dev, dtype, k, n, rank = "cuda", torch.bfloat16, 4096, 6144, 16
+    base = Linear(k, n).to(dev)
+    base.weight.data = torch.randn(n, k, device=dev).div(k**0.5).to(dtype)
+    layer = LoRALinear(base, num_slots=2, max_rank=rank)
+    a = torch.randn(rank, k, device=dev).div(k**0.5).to(dtype)
+    layer.set_shard(1, 0, a, torch.randn(n, rank, device=dev).to(dtype))
+    x = torch.randn(8, k, device=dev).to(dtype)
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    meta = LoRAMetadata(1, as_int(range(8)), as_int([1]), as_int([0]), as_int([8]))
+    want = base(x)
+    lora_expand_torch(lora_shrink_torch(x, layer.lora_a, layer.lora_ranks, meta), layer.lora_b,
+                      layer.lora_ranks, layer.offsets, want, meta)  # fmt: skip
+    shrink = lora_layer.lora_shrink
+
+    def late_shrink(*args):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the side stream's time
+        return shrink(*args)
+
+    monkeypatch.setattr(lora_layer, "lora_shrink", late_shrink)
+    with forward_context(ForwardContext(None, [], None, lora=meta)):
+        got = layer(x)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
