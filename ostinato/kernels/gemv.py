@@ -368,7 +368,7 @@ class GemvPlan:
         m, k = x.shape
         n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
         norm, add_in = norm_weight is not None, residual is not None
-        self.m, self.n_out, self.add_in, self.launch = m, n_out, add_in, None
+        self.m, self.k, self.n_out, self.add_in, self.launch = m, k, n_out, add_in, None
         if m == 0:
             return
         res = residual if add_in else add
@@ -379,8 +379,7 @@ class GemvPlan:
         flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
                      ADD_OUT=add is not None)  # fmt: skip
         stride_r = 0 if res is None else res.stride(0)
-        stride_s = torch.empty_like(x).stride(0) if add_in else x.stride(0)  # as a call's stream
-        strides = (x.stride(0), weight.stride(0), stride_r, stride_s)
+        strides = (x.stride(0), weight.stride(0), stride_r, k if add_in else x.stride(0))
         if config.rows == 1:
             self.launch = _row_launch(m, k, n_out, eps, strides, flags, config)
         else:
@@ -389,9 +388,11 @@ class GemvPlan:
         self.part_width = _part_width(n_out, silu_and_mul)
 
     def __call__(self, x, weight, bias=None, residual=None, norm_weight=None, add=None):
-        """-> (y, the input stream: x + residual when it adds a residual first, else x)."""
-        y = torch.empty(self.m, self.n_out, dtype=x.dtype, device=x.device)
-        stream = torch.empty_like(x) if self.add_in else x
+        """-> (y, the input stream: x + residual when it adds a residual first, else x). Both
+        new tensors are contiguous, in x's dtype, on its device (new_empty: the cheapest
+        allocation from Python, about 1 µs under torch.empty with a dtype and device)."""
+        y = x.new_empty(self.m, self.n_out)
+        stream = x.new_empty(self.m, self.k) if self.add_in else x
         launch = self.launch
         if launch is None:
             return y, stream
