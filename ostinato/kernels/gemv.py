@@ -438,7 +438,7 @@ def _gemv_triton(
     """-> (y, the input stream: x + residual when normed with a residual, else x)."""
     res = residual if residual is not None else add
     # shapes and whole stride tuples: one call each, and everything the plan's checks and
-    # launch read of them (stream's strides follow x's)
+    # launch read of them
     key = (x.device, x.dtype, x.shape, x.stride(), weight.shape, weight.stride(),
            bias is not None, silu_and_mul, norm_weight is not None, residual is not None,
            add is not None, res is not None and (res.shape, res.stride()), eps, config,
