@@ -63,9 +63,11 @@ def test_gemv_normed_is_norm_then_projection(rows, silu, with_residual, dtype):
     """The norm prologue (after the residual add when given) against the unfused sequence in
     float64: s = x + residual, y = rms_norm(s) @ W.T + b (then silu); the stream s comes back
     as a new tensor, x and residual untouched. K = 1100 spans three 512-wide chunks of one
-    row, and four splits of the tl.dot rows (whose sums of squares are split with them)."""
+    row, and four splits of the tl.dot rows (whose sums of squares are split with them). x
+    is a view with a row stride of its own; the stream a new contiguous tensor."""
     k, n = 1100, 2 * 37
     x = torch.randn(rows, k).to(dtype)
+    x = torch.cat([x, x[:, :5]], 1)[:, :k]  # the same values, rows k + 5 apart
     residual = torch.randn(rows, k).to(dtype) if with_residual else None
     norm_w = (torch.rand(k) + 0.5).to(dtype)
     weight = (torch.randn(n, k) * 0.05).to(dtype)

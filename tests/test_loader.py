@@ -17,6 +17,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from ostinato.config import EngineConfig
 from ostinato.layers.rotary import inverse_frequencies, rope_parameters
 from ostinato.loader import PRESETS, build_model, load_hf_config, load_model
+from ostinato.lora.layer import LoRALinear
+from ostinato.lora.model import LoRAModel
 
 
 def load(model: str, layer_range=None, seed: int = 0):
@@ -206,3 +208,33 @@ def test_unsupported_model_features_raise_value_error(arch, change, message):
 def test_layer_range_outside_the_model_raises_value_error():
     with pytest.raises(ValueError, match=r"layer_range \(2, 9\) is not within the 4 layers"):
         build_model(load_hf_config("tiny"), "meta", torch.float32, (2, 9))
+
+
+def test_loaded_modules_read_parameters_and_submodules_as_plain_attributes(monkeypatch):
+    """finish_loading / LoRAModel: each name reads without Module.__getattr__ (~1.5 µs a read
+    on the build machine, ~600 reads an eager step), and a replaced one reads as replaced."""
+    model = load("tiny")
+    missed = []
+    fallback = torch.nn.Module.__getattr__
+
+    def through_getattr(module, name):
+        missed.append(name)
+        return fallback(module, name)
+
+    monkeypatch.setattr(torch.nn.Module, "__getattr__", through_getattr)
+
+    def read_all() -> None:
+        missed.clear()
+        for module in model.modules():
+            for name, value in [*module._parameters.items(), *module._modules.items()]:
+                assert getattr(module, name) is value
+        assert not missed, missed
+
+    read_all()
+    proj = model.model.layers["0"].self_attn.o_proj
+    replaced = torch.nn.Parameter(proj.weight.detach().clone(), requires_grad=False)
+    proj.weight = replaced  # as FP8 at load replaces a weight
+    assert proj.weight is replaced  # not the copy: read through __getattr__ again
+    LoRAModel(model, max_loras=1, max_rank=4)
+    assert isinstance(model.model.layers["0"].self_attn.qkv_proj, LoRALinear)
+    read_all()

@@ -151,6 +151,28 @@ def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
     assert not proj.fuses(one) and len(asked) == 3
 
 
+def test_a_projection_plan_follows_the_input_layout_and_a_new_weight(monkeypatch):
+    """Linear.plan keeps one launch per kind of input and weight: a strided input (another
+    row stride) and a replaced weight of another layout each get their own, checked against
+    float64 math (two rows: the tl.dot kernel, which reads both row strides)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w: x.dtype == w.dtype)
+    proj = linear_module.Linear(16, 32)
+    proj.weight.data.copy_(torch.randn(32, 16))
+    residual = torch.randn(2, 32)
+
+    def check(x: torch.Tensor) -> None:
+        got, rest = linear_module.residual_projection(proj, x, residual)
+        want = x.double() @ proj.weight.double().T + residual.double()
+        assert rest is None
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+    check(torch.randn(2, 16))
+    check(torch.randn(2, 48)[:, 16:32])  # rows 48 apart
+    proj.weight = torch.nn.Parameter(torch.randn(32, 64)[:, 8:24], requires_grad=False)
+    check(torch.randn(2, 16))
+
+
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
     """Where the last projection of a stage added the residual itself, the stage sends the
     stream with a zero residual, and the next stage's sum is the same stream."""

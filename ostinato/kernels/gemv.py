@@ -20,6 +20,9 @@ give the same values: with a norm, each program first takes its rows' 1/rms in a
 whole input row (from L2), then normalises each chunk as the unfused norm stores it.
 """
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -352,30 +355,23 @@ def _gemv_dot_kernel(
     tl.store(out, y.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-# per shape and configuration: eager calls skip Triton's Python launch path
-_launches: dict[tuple, tuple[Launch, GemvConfig]] = {}
+class GemvPlan:
+    """One kind of gemv / gemv_normed call (shapes, strides, dtype, device, fusions, eps): its
+    checks, configuration and Launch, made once, so a call only allocates the output (and the
+    stream's sum) and launches. _gemv_triton keeps one per key; each projection keeps one per
+    input kind (layers/linear.py), which spares it even that key."""
 
-
-def _gemv_triton(
-    x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None,
-    config=None,
-):  # fmt: skip
-    """-> (y, the input stream: x + residual when normed with a residual, else x)."""
-    m, k = x.shape
-    n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
-    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    norm, add_in = norm_weight is not None, residual is not None
-    stream = torch.empty_like(x) if add_in else x
-    if m == 0:
-        return y, stream
-    res = residual if add_in else add
-    # shapes and whole stride tuples: one call each, and everything the checks and the launch
-    # read of them (stream's strides follow x's), so both run once per key
-    key = (x.device, x.dtype, x.shape, x.stride(), weight.shape, weight.stride(),
-           bias is not None, silu_and_mul, norm, add_in, add is not None,
-           res is not None and (res.shape, res.stride()), eps, config, interpreting())  # fmt: skip
-    entry = _launches.get(key)
-    if entry is None:
+    def __init__(
+        self, x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0,
+        add=None, config=None,
+    ):  # fmt: skip
+        m, k = x.shape
+        n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
+        norm, add_in = norm_weight is not None, residual is not None
+        self.m, self.k, self.n_out, self.add_in, self.launch = m, k, n_out, add_in, None
+        if m == 0:
+            return
+        res = residual if add_in else add
         assert not (add_in and add is not None) and (norm or not add_in)
         assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
         assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
@@ -383,25 +379,76 @@ def _gemv_triton(
         flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
                      ADD_OUT=add is not None)  # fmt: skip
         stride_r = 0 if res is None else res.stride(0)
-        strides = (x.stride(0), weight.stride(0), stride_r, stream.stride(0))
+        strides = (x.stride(0), weight.stride(0), stride_r, k if add_in else x.stride(0))
         if config.rows == 1:
-            launch = _row_launch(m, k, n_out, eps, strides, flags, config)
+            self.launch = _row_launch(m, k, n_out, eps, strides, flags, config)
         else:
-            launch = _dot_launch(m, k, n_out, eps, strides, flags, config, x.dtype)
-        entry = _launches[key] = (launch, config)
-    launch, config = entry
-    head = (x, weight, x if bias is None else bias, y, x if res is None else res, stream,
-            x if norm_weight is None else norm_weight)  # fmt: skip
-    if config.rows == 1:
-        launch(*head)
+            self.launch = _dot_launch(m, k, n_out, eps, strides, flags, config, x.dtype)
+        self.rows, self.split = config.rows, config.split
+        self.part_width = _part_width(n_out, silu_and_mul)
+
+    def __call__(self, x, weight, bias=None, residual=None, norm_weight=None, add=None):
+        """-> (y, the input stream: x + residual when it adds a residual first, else x). Both
+        new tensors are contiguous, in x's dtype, on its device (new_empty: the cheapest
+        allocation from Python, about 1 µs under torch.empty with a dtype and device)."""
+        y = x.new_empty(self.m, self.n_out)
+        stream = x.new_empty(self.m, self.k) if self.add_in else x
+        launch = self.launch
+        if launch is None:
+            return y, stream
+        res = residual if self.add_in else add
+        head = (x, weight, x if bias is None else bias, y, x if res is None else res, stream,
+                x if norm_weight is None else norm_weight)  # fmt: skip
+        if self.rows == 1:
+            launch.run(launch.grid, *head)
+            return y, stream
+        part = sem = x  # unused without a split
+        if self.split > 1:
+            part = torch.empty(self.split, self.m, self.part_width, dtype=torch.float32,
+                               device=x.device)  # fmt: skip
+            sem = split_counts(x.device, "GEMV")
+        launch.run(launch.grid, *head, part, sem)
         return y, stream
-    part = sem = x  # unused without a split
-    if config.split > 1:
-        part = torch.empty(config.split, m, _part_width(n_out, silu_and_mul),
-                           dtype=torch.float32, device=x.device)  # fmt: skip
-        sem = split_counts(x.device, "GEMV")
-    launch(*head, part, sem)
-    return y, stream
+
+
+def gemv_plan(
+    x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None
+) -> Callable:
+    """What runs calls like this gemv / gemv_normed (the same shapes, strides, dtype, device,
+    fusions and eps): `plan(x, weight, bias, residual, norm_weight, add)` -> (y, stream), as
+    _gemv_triton returns. A GemvPlan where Triton runs, else the torch twins."""
+    if use_triton(x):
+        return GemvPlan(x, weight, bias, silu_and_mul, residual, norm_weight, eps, add)
+    return partial(_gemv_pair_torch, silu_and_mul=silu_and_mul, eps=eps)
+
+
+def _gemv_pair_torch(x, weight, bias, residual, norm_weight, add, silu_and_mul, eps):
+    if norm_weight is None:
+        return gemv_torch(x, weight, bias, silu_and_mul, add=add), x
+    return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul)
+
+
+_plans: dict[tuple, GemvPlan] = {}
+
+
+def _gemv_triton(
+    x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None,
+    config=None,
+):  # fmt: skip
+    """-> (y, the input stream: x + residual when normed with a residual, else x)."""
+    res = residual if residual is not None else add
+    # shapes and whole stride tuples: one call each, and everything the plan's checks and
+    # launch read of them
+    key = (x.device, x.dtype, x.shape, x.stride(), weight.shape, weight.stride(),
+           bias is not None, silu_and_mul, norm_weight is not None, residual is not None,
+           add is not None, res is not None and (res.shape, res.stride()), eps, config,
+           interpreting())  # fmt: skip
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = GemvPlan(
+            x, weight, bias, silu_and_mul, residual, norm_weight, eps, add, config
+        )
+    return plan(x, weight, bias, residual, norm_weight, add)
 
 
 def _part_width(n_out: int, silu: bool) -> int:

@@ -18,14 +18,17 @@ model dtype while loading, then `finish_loading` quantises each row (`weight_sca
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ostinato.distributed.parallel import tp_group
 from ostinato.kernels import silu_and_mul
+from ostinato.kernels.dispatch import interpreting
 from ostinato.kernels.fp8 import FP8, fp8_linear, quantize_rows
-from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
+from ostinato.kernels.gemv import gemv, gemv_pays, gemv_plan
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
@@ -54,8 +57,9 @@ def normed_projection(
     residual stream x + residual as one tensor (x itself without a residual). One kernel
     where the small-batch kernel pays for a plain projection (the norm in its prologue); else
     the norm (with the add, in place) and then proj, which may be a wrapped one (LoRA)."""
-    if isinstance(proj, Linear) and proj.fuses(x):
-        return gemv_normed(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, silu)
+    plan = proj.plan(x, norm, residual, silu) if isinstance(proj, Linear) else None
+    if plan is not None:
+        return plan(x, proj.weight, proj.bias, residual, norm.weight, None)
     x, residual = norm.stream(x, residual)
     y = proj(x)
     return (silu_and_mul(y) if silu else y), residual
@@ -67,8 +71,9 @@ def residual_projection(
     """The residual stream once proj(x) is added to it, as (hidden, residual): hidden +
     residual, or hidden alone when residual is None. The small-batch kernel adds in its
     epilogue, so the next norm reads one tensor; otherwise the add is left to that norm."""
-    if isinstance(proj, Linear) and proj.fuses(x):
-        return gemv(x, proj.weight, proj.bias, add=residual), None
+    plan = proj.plan(x, add=residual) if isinstance(proj, Linear) else None
+    if plan is not None:
+        return plan(x, proj.weight, proj.bias, None, None, residual)[0], None
     return proj(x), residual
 
 
@@ -81,6 +86,7 @@ class Linear(nn.Module):
         # a plain attribute: every eager call asks, and `scale` misses through Module.__getattr__
         self.fp8 = self.block is not None  # the weight is FP8 (per row: from finish_loading)
         self._pays: dict[tuple, bool] = {}  # fuses' answer per input; the weight's shape is fixed
+        self._plans: tuple = (None, None, {})  # plan's: (for which weight and bias, plans)
         dtype = FP8 if self.block else None
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
@@ -117,7 +123,7 @@ class Linear(nn.Module):
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether the small-batch kernel runs this projection of x, with the ops around it.
-        Asked once a projection by every eager step, so answered once per input shape."""
+        Answered once per input shape (plan asks once per kind of input)."""
         if not FUSE or self.fp8:
             return False
         key = (x.shape, x.dtype, x.is_cuda)
@@ -125,6 +131,38 @@ class Linear(nn.Module):
         if pays is None:
             pays = self._pays[key] = gemv_pays(x, self.weight)
         return pays
+
+    def plan(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        silu: bool = False,
+        add: torch.Tensor | None = None,
+    ) -> Callable | None:
+        """Where the small-batch kernel runs this projection of x (fuses), its plan (gemv_plan)
+        with norm before it (residual added first), silu after it, or add (the residual
+        stream) after that; else None. Kept per kind of input and for this weight and bias
+        (new ones get new plans): an eager step asks once a projection, and this key is all
+        it builds before the plan allocates and launches."""
+        if not FUSE or self.fp8:
+            return None
+        res = residual if residual is not None else add
+        key = (x.shape, x.stride(), x.dtype, x.device, None if norm is None else norm.eps, silu,
+               residual is not None, res is not None and (res.shape, res.stride()),
+               interpreting())  # fmt: skip
+        weight, bias, plans = self._plans
+        if weight is not self.weight or bias is not self.bias:
+            weight, bias, plans = self._plans = (self.weight, self.bias, {})
+        plan = plans.get(key, False)
+        if plan is False:
+            norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+            plan = plans[key] = (
+                gemv_plan(x, weight, bias, silu, residual, norm_weight, eps, add)
+                if self.fuses(x)
+                else None
+            )
+        return plan
 
 
 class ColumnParallelLinear(Linear):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ostinato.loader import plain_attributes
 from ostinato.lora.adapter import TARGETS, adapter_weights
 from ostinato.lora.layer import LoRALinear
 
@@ -22,6 +23,7 @@ class LoRAModel:
                 wrapped = LoRALinear(module, max_loras, max_rank)
                 setattr(model.get_submodule(parent), leaf, wrapped)
                 self.layers[name] = wrapped
+        plain_attributes(model)  # the wrapped projections are read as plain attributes too
         self.dtype = next(iter(self.layers.values())).lora_a.dtype
 
     @torch.no_grad()
