@@ -296,8 +296,8 @@ def plain_attributes(model: nn.Module) -> None:
     or a Module (FP8's quantised weight, LoRA's wrapped projections), so a replaced one is read
     through __getattr__ again, and right. What would leave a copy stale: None assigned to a
     registered name, `del`, or a write past __setattr__ (`_parameters[name] = ...`); none
-    happens to a loaded model. Buffers stay out: Module.to and tensor assignment replace them past it.
-    Whoever replaces modules calls this again, for speed only."""
+    happens to a loaded model. Buffers stay out: Module.to and tensor assignment replace them
+    past it. Whoever replaces modules calls this again, for speed only."""
     for module in model.modules():
         module.__dict__.update(module._parameters)
         module.__dict__.update(module._modules)
