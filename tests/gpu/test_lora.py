@@ -143,7 +143,9 @@ def test_the_expand_waits_for_the_side_stream_shrink(monkeypatch):
     """LoRALinear runs its shrink on a side stream beside the base projection; the expand, on
     the step's stream, must wait for it. A shrink held back by a device sleep on its stream
     still gives the one-stream result (without the wait, the expand reads partials not yet
-    written)."""
+    written: whatever the allocator's block held, at best the warm-up's partials of another
+    input). The warm-up compiles every kernel first, so no host-side compile outlasts the
+    sleep."""
     torch.manual_seed(0)
     dev, dtype, k, n, rank = "cuda", torch.bfloat16, 4096, 6144, 16
     base = Linear(k, n).to(dev)
@@ -151,9 +153,11 @@ def test_the_expand_waits_for_the_side_stream_shrink(monkeypatch):
     layer = LoRALinear(base, num_slots=2, max_rank=rank)
     a = torch.randn(rank, k, device=dev).div(k**0.5).to(dtype)
     layer.set_shard(1, 0, a, torch.randn(n, rank, device=dev).to(dtype))
-    x = torch.randn(8, k, device=dev).to(dtype)
+    warm, x = torch.randn(2, 8, k, device=dev).to(dtype)
     as_int = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     meta = LoRAMetadata(1, as_int(range(8)), as_int([1]), as_int([0]), as_int([8]))
+    with forward_context(ForwardContext(None, [], None, lora=meta)):
+        layer(warm)
     want = base(x)
     lora_expand_torch(lora_shrink_torch(x, layer.lora_a, layer.lora_ranks, meta), layer.lora_b,
                       layer.lora_ranks, layer.offsets, want, meta)  # fmt: skip
