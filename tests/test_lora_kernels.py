@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ostinato.context import LoRAMetadata
+from ostinato.kernels import dispatch
 from ostinato.kernels import lora as lora_module
 from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
 from ostinato.runner.input_buffers import group_by_adapter
@@ -95,6 +96,26 @@ def test_shrink_expand_match_torch_and_reference(
     if num_tokens == 5:  # the decode-sized case splits K
         split = lora_module._splits(x, len(shard_sizes), 16, lora_module._block_k(16, 2), summed)
         assert split > 1 and partials.shape[0] == (1 if summed else split)
+
+
+def test_the_shrink_counts_its_splits_apart_from_the_projection_kernels(monkeypatch):
+    """The shrink runs on a side stream beside the base projection (lora/layer.py), which may
+    be a split-K kernel counting in dispatch.split_counts: sharing those counts, the two
+    would mix their arrivals. The shrink's are a set of their own, zero after each call."""
+    used = []
+    counts = lora_module.split_counts
+
+    def recorded(*args, **kwargs):
+        used.append(counts(*args, **kwargs))
+        return used[-1]
+
+    monkeypatch.setattr(lora_module, "split_counts", recorded)
+    a, _, ranks, _ = adapters(2, [64, 32, 32], 256, 16, [[16] * 3, [8] * 3], torch.float32)
+    meta = metadata([1, 0, 1], num_active=2)
+    partials = lora_shrink(torch.randn(3, 256), a, ranks, meta)
+    assert partials.shape[0] == 1 and len(used) == 1  # split K, summed by the shrink
+    assert used[0] is not dispatch.split_counts(torch.device("cpu"), "GEMV")
+    assert not used[0].any()
 
 
 def test_no_grouped_token_leaves_the_output_alone():

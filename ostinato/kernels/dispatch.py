@@ -54,20 +54,22 @@ def num_sms(device: torch.device, interpreted: int) -> int:
 
 
 SPLIT_COUNTS = 1 << 16  # counts per device for split-K launches: output tiles of one launch
-_split_counts: dict[torch.device, torch.Tensor] = {}
+_split_counts: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
-def split_counts(device: torch.device, kernel: str) -> torch.Tensor:
+def split_counts(device: torch.device, kernel: str, side: bool = False) -> torch.Tensor:
     """int32 [SPLIT_COUNTS] on this device, zero between launches: a split-K launch counts the
     programs of each output tile that have stored their partial, and the last resets the
-    count. Kernels on one stream run one after another, so every split kernel shares them.
-    Allocated once, at a first call outside graph capture: a capture would record the zeroing,
-    not run it."""
-    counts = _split_counts.get(device)
+    count. Kernels on one stream run one after another, so every split kernel of the step's
+    stream shares them; `side`: a second set, for split kernels on a side stream (LoRA's
+    shrink), which may run beside one of those. Allocated once, at a first call outside graph
+    capture: a capture would record the zeroing, not run it."""
+    counts = _split_counts.get((device, side))
     if counts is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise variants.ColdKernel(f"{kernel}: a split launch must run once before capture")
-        counts = _split_counts[device] = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+        counts = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
+        _split_counts[(device, side)] = counts
     return counts
 
 

@@ -267,7 +267,8 @@ def _shrink_triton(x, a, ranks, meta):
         return out
     assert x.stride(1) == 1 and a.is_contiguous()
     grid = (tiles * split, shards, meta.num_active)
-    sem = split_counts(x.device, "LoRA shrink") if summed else x
+    # its own counts: lora/layer.py runs the shrink on a side stream, beside the projection
+    sem = split_counts(x.device, "LoRA shrink", side=True) if summed else x
     tail = (k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1))
     constexprs = dict(R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r,
                       BLOCK_K=block_k, PRECISION=_precision(x.dtype), SUM=summed)  # fmt: skip
