@@ -133,22 +133,24 @@ def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, m
 
 
 def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
-    """Linear.fuses asks gemv_pays once per input shape, dtype and device (every eager step
-    asks it once a projection), and still follows the FUSE switch and an FP8 weight."""
+    """Linear.plan asks gemv_pays once per input shape and dtype (every eager step asks it
+    once a projection), and still follows the FUSE switch and an FP8 weight."""
     asked = []
     monkeypatch.setattr(
         linear_module, "gemv_pays", lambda x, w: not asked.append(x.shape) and x.dtype == w.dtype
     )
     proj = linear_module.Linear(8, 4)
     one, two = torch.zeros(1, 8), torch.zeros(2, 8)
-    assert proj.fuses(one) and proj.fuses(one) and proj.fuses(two)
+    assert proj.plan(one) and proj.plan(one) and proj.plan(two)
     assert asked == [(1, 8), (2, 8)]
-    assert not proj.fuses(one.to(torch.bfloat16)) and len(asked) == 3
+    half = one.to(torch.bfloat16)
+    assert proj.plan(half) is None and proj.plan(half) is None and len(asked) == 3
     monkeypatch.setattr(linear_module, "FUSE", False)
-    assert not proj.fuses(one)
+    assert proj.plan(one) is None
     monkeypatch.setattr(linear_module, "FUSE", True)
+    assert proj.plan(one)
     proj.fp8 = True
-    assert not proj.fuses(one) and len(asked) == 3
+    assert proj.plan(one) is None and len(asked) == 3
 
 
 def test_a_projection_plan_follows_the_input_layout_and_a_new_weight(monkeypatch):

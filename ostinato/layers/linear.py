@@ -85,7 +85,6 @@ class Linear(nn.Module):
         self.block = spec.block if spec is not None else None  # None: a scale per row
         # a plain attribute: every eager call asks, and `scale` misses through Module.__getattr__
         self.fp8 = self.block is not None  # the weight is FP8 (per row: from finish_loading)
-        self._pays: dict[tuple, bool] = {}  # fuses' answer per input; the weight's shape is fixed
         self._plans: tuple = (None, None, {})  # plan's: (for which weight and bias, plans)
         dtype = FP8 if self.block else None
         self.weight = nn.Parameter(
@@ -122,15 +121,9 @@ class Linear(nn.Module):
             self.fp8 = True
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the small-batch kernel runs this projection of x, with the ops around it.
-        Answered once per input shape (plan asks once per kind of input)."""
-        if not FUSE or self.fp8:
-            return False
-        key = (x.shape, x.dtype, x.is_cuda)
-        pays = self._pays.get(key)
-        if pays is None:
-            pays = self._pays[key] = gemv_pays(x, self.weight)
-        return pays
+        """Whether the small-batch kernel runs this projection of x, with the ops around it:
+        asked by plan, once per kind of input, after its FUSE and FP8 checks."""
+        return gemv_pays(x, self.weight)
 
     def plan(
         self,
