@@ -2,6 +2,7 @@
 a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
 
 import copy
+import functools
 import importlib
 import types
 
@@ -527,14 +528,17 @@ def test_rope_and_store(group, head_dim, norm, dtype):
     assert (~k_rows.isnan()).flatten(1).all(1).sum() == len(stored)
 
 
-def test_rope_launches_follow_each_calls_layout():
+@pytest.mark.parametrize("in_one_step", [False, True])
+def test_rope_launches_follow_each_calls_layout(in_one_step):
     """The cached launch is keyed by the layout it was built for: q, k and v as views of one
     qkv row, then as separate tensors of the same shapes (other strides), each as the
-    unfused sequence gives them."""
+    unfused sequence gives them; also where both calls are layers of one forward step, which
+    find their launch by a shorter key (`step`)."""
     views = RopeCase(5, 4, 2, 64, torch.float32)
+    step = {} if in_one_step else None
     for case in (views, views.clone()):
         twin = case.clone()
-        case.run(rope_and_store, True)
+        case.run(functools.partial(rope_and_store, step=step), True)
         twin.run(rope_and_store_torch, True)
         close(case.q, twin.q, torch.float32)
         close(case.k, twin.k, torch.float32)
