@@ -48,13 +48,16 @@ class LoRAMetadata:
 @dataclass
 class ForwardContext:
     """Made once per step (and per graph capture), so what attention derives from the batch
-    alone is derived here once (the backend's plan), not again in every layer."""
+    alone is derived here once (the backend's plan), not again in every layer; so is the
+    RoPE launch its layers share."""
 
     attn_metadata: AttentionMetadata | None
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per global layer index
     backend: Any  # AttentionBackend; typed loosely to keep this module import-free
     lora: LoRAMetadata | None = None  # None: no token of this step uses an adapter
     attention: Any = field(init=False)  # the backend's AttentionPlan for this step
+    # RoPE launches its layers share, by what a layer's q, k and v may change (rope_and_store)
+    rope: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         meta = self.attn_metadata

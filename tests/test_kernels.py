@@ -2,6 +2,7 @@
 a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
 
 import copy
+import functools
 import importlib
 import types
 
@@ -527,14 +528,17 @@ def test_rope_and_store(group, head_dim, norm, dtype):
     assert (~k_rows.isnan()).flatten(1).all(1).sum() == len(stored)
 
 
-def test_rope_launches_follow_each_calls_layout():
+@pytest.mark.parametrize("in_one_step", [False, True])
+def test_rope_launches_follow_each_calls_layout(in_one_step):
     """The cached launch is keyed by the layout it was built for: q, k and v as views of one
     qkv row, then as separate tensors of the same shapes (other strides), each as the
-    unfused sequence gives them."""
+    unfused sequence gives them; also where both calls are layers of one forward step, which
+    find their launch by a shorter key (`step`)."""
     views = RopeCase(5, 4, 2, 64, torch.float32)
+    step = {} if in_one_step else None
     for case in (views, views.clone()):
         twin = case.clone()
-        case.run(rope_and_store, True)
+        case.run(functools.partial(rope_and_store, step=step), True)
         twin.run(rope_and_store_torch, True)
         close(case.q, twin.q, torch.float32)
         close(case.k, twin.k, torch.float32)
@@ -652,3 +656,77 @@ def test_graph_warm_ups_and_captures_keep_the_paged_kernel(monkeypatch):
     assert not sdpa_calls
     plan(q, k, k, torch.empty_like(q), cache, cache, 0.25)
     assert len(sdpa_calls) == 1
+
+
+class _Steps:
+    """Eager steps through one backend over persistent metadata buffers, as the runner makes
+    them (slices of its buffers: the same addresses every step), on one KV cache."""
+
+    def __init__(self, monkeypatch):
+        from ostinato.attention import triton_backend
+
+        self.full = make_batch([1] * 4, [60, 50, 40, 30], 4, 2, 32, torch.float32)
+        self.query_start_loc = torch.zeros(5, dtype=torch.int32)
+        self.seq_lens = torch.zeros(4, dtype=torch.int32)
+        self.backend = triton_backend.TritonAttentionBackend()
+        self.built = []
+        build = triton_backend.PagedAttention
+
+        def spy(*args):
+            self.built.append(build(*args))
+            return self.built[-1]
+
+        monkeypatch.setattr(triton_backend, "PagedAttention", spy)
+
+    def run(self, q_lens, seq_lens):
+        """One step; returns the PagedAttention its layers launched."""
+        from ostinato.context import AttentionMetadata
+
+        n, tokens = len(q_lens), sum(q_lens)
+        self.query_start_loc[: n + 1] = torch.tensor([0, *torch.tensor(q_lens).cumsum(0)])
+        self.seq_lens[:n] = torch.tensor(seq_lens)
+        f = self.full
+        slots = [s[:length] for s, length in zip(f.slots, seq_lens, strict=False)]
+        step = Batch(torch.randn(tokens, 4, 32), f.k_cache, f.v_cache,
+                     self.query_start_loc[: n + 1], self.seq_lens[:n], f.block_table[:n],
+                     slots)  # fmt: skip
+        meta = AttentionMetadata(tokens, n, step.query_start_loc, step.seq_lens,
+                                 step.block_table, torch.zeros(tokens, dtype=torch.int64),
+                                 step.query_start_loc, step.seq_lens)  # fmt: skip
+        plan = self.backend.plan(meta)
+        out = torch.full_like(step.q, NAN)
+        plan(step.q, step.q, step.q, out, f.k_cache, f.v_cache, 32**-0.5)
+        check_attention(step, out, 32**-0.5, torch.float32)
+        (launch,) = plan.launches.values()
+        return launch
+
+
+def test_eager_steps_keep_their_attention_launches(monkeypatch):
+    """Eager steps of one form share a PagedAttention across steps, whatever their lengths
+    (read on the device); a step with another request count gets its own even where the token
+    count and the buffers' addresses are the same, and the first comes back after it."""
+    steps = _Steps(monkeypatch)
+    first = steps.run([1, 1], [20, 33])
+    assert steps.run([1, 1], [60, 9]) is first and len(steps.built) == 1
+    one_request = steps.run([2], [45])
+    assert one_request is not first and len(steps.built) == 2
+    assert steps.run([1, 1], [50, 50]) is first and len(steps.built) == 2
+
+
+def test_graph_captures_and_warm_ups_neither_take_nor_fill_the_eager_cache(monkeypatch):
+    """A graph keeps using the scratch of the PagedAttention it captured: a captured one must
+    never be one the eager cache may later drop (its memory would go back to the allocator),
+    and a warm-up's (on the capture stream) must not stay in the cache either."""
+    from ostinato.attention import triton_backend
+    from ostinato.kernels import variants
+
+    steps = _Steps(monkeypatch)
+    eager = steps.run([1, 1], [20, 33])
+    with monkeypatch.context() as capture:
+        capture.setattr(triton_backend, "_capturing", lambda t: True)
+        captured = steps.run([1, 1], [20, 33])
+    with variants.recording():
+        warm_up = steps.run([1, 1], [20, 33])
+    assert len({id(eager), id(captured), id(warm_up)}) == 3
+    assert list(steps.backend.eager.launches.values()) == [eager]
+    assert steps.run([1, 1], [20, 33]) is eager

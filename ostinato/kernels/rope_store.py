@@ -25,13 +25,17 @@ def rope_and_store(
     q_weight: torch.Tensor | None = None,  # [head_dim]: RMSNorm q and k per head first
     k_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    step: dict | None = None,
 ) -> None:
     """In place: q = rope(norm(q)), k = rope(norm(k)) (norm only with weights); then k and v
-    are written to the cache at each token's slot."""
+    are written to the cache at each token's slot. `step`: a dict the calls of one forward
+    step share (ForwardContext.rope), whose layers pass one cos|sin table, caches of one
+    allocation and norm weights of one layout: there the launch is found by what each
+    layer's q, k and v may change alone (the whole key costs ~4 µs more a layer)."""
     if use_triton(q):
         return _rope_and_store_triton(
             q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-            q_weight, k_weight, eps,
+            q_weight, k_weight, eps, step,
         )  # fmt: skip
     return rope_and_store_torch(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps
@@ -130,11 +134,29 @@ def _rope_and_store_kernel(
 
 
 def _rope_and_store_triton(
-    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps
-) -> None:
+    q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_weight, k_weight, eps,
+    step=None,
+) -> None:  # fmt: skip
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return
+    norm = q_weight is not None
+    if step is None:
+        launch = _launch_for(q, k, v, cos_sin_cache, k_cache, v_cache, q_weight, k_weight, eps)
+    else:
+        layer = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), norm, eps)
+        launch = step.get(layer)
+        if launch is None:
+            launch = step[layer] = _launch_for(
+                q, k, v, cos_sin_cache, k_cache, v_cache, q_weight, k_weight, eps
+            )
+    launch.run(
+        (num_tokens, 1, 1), q, k, v, q_weight if norm else q, k_weight if norm else q, positions,
+        cos_sin_cache, slot_mapping, k_cache, v_cache,
+    )  # fmt: skip
+
+
+def _launch_for(q, k, v, cos_sin_cache, k_cache, v_cache, q_weight, k_weight, eps) -> Launch:
     norm = q_weight is not None
     # shapes and whole stride tuples: what the checks and the launch read of them, so both
     # run once per key (an eager step calls this once a layer)
@@ -145,10 +167,7 @@ def _rope_and_store_triton(
     if launch is None:
         launch = _launches[key] = _rope_launch(q, k, v, cos_sin_cache, k_cache, v_cache, q_weight,
                                                k_weight, eps)  # fmt: skip
-    launch.run(
-        (num_tokens, 1, 1), q, k, v, q_weight if norm else q, k_weight if norm else q, positions,
-        cos_sin_cache, slot_mapping, k_cache, v_cache,
-    )  # fmt: skip
+    return launch
 
 
 def _rope_launch(q, k, v, cos_sin_cache, k_cache, v_cache, q_weight, k_weight, eps) -> Launch:

@@ -35,7 +35,9 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         slots = ctx.attn_metadata.slot_mapping
-        rotary.apply_and_store(positions, q, k, v, k_cache, v_cache, slots, q_norm, k_norm)
+        rotary.apply_and_store(
+            positions, q, k, v, k_cache, v_cache, slots, q_norm, k_norm, ctx.rope
+        )
         out = torch.empty_like(q)  # allocated before the break so its address is stable
         return run_outside_graph(self._attend, q, k, v, out=out)
 

@@ -73,14 +73,17 @@ class RotaryEmbedding(nn.Module):
         slot_mapping: torch.Tensor,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        step: dict | None = None,
     ) -> None:
         """Rotates q [T, H, D] and k [T, KH, D] in place by their positions [T] (Qwen3:
-        q_norm / k_norm per head first), then stores k and v at slot_mapping, in one kernel."""
+        q_norm / k_norm per head first), then stores k and v at slot_mapping, in one kernel.
+        `step`: the forward step's dict of RoPE launches (kernels.rope_and_store)."""
+        cache = self.cos_sin_cache
         if q_norm is None:
-            rope_and_store(q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping)
+            rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slot_mapping, step=step)
             return
         assert q_norm.eps == k_norm.eps, "the fused kernel takes one eps for q and k"
         rope_and_store(
-            q, k, v, positions, self.cos_sin_cache, k_cache, v_cache, slot_mapping,
-            q_norm.weight, k_norm.weight, q_norm.eps,
+            q, k, v, positions, cache, k_cache, v_cache, slot_mapping,
+            q_norm.weight, k_norm.weight, q_norm.eps, step,
         )  # fmt: skip
