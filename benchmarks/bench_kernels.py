@@ -101,8 +101,11 @@ class KVPool:
         self.k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
-    def calls(self, q_lens: list[int], seq_lens: list[int], config=None) -> list[Callable]:
-        """As many calls as make the ring span L2_FLUSH_BYTES, each on its own blocks."""
+    def calls(
+        self, q_lens: list[int], seq_lens: list[int], config=None, merge: bool = False
+    ) -> list[Callable]:
+        """As many calls as make the ring span L2_FLUSH_BYTES, each on its own blocks; merge:
+        eager steps' launch (the split KV merged in the attention kernel, no combine)."""
         width = -(-max(seq_lens) // BLOCK)
         blocks = len(seq_lens) * width
         per_call = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
@@ -116,13 +119,16 @@ class KVPool:
         calls = []
         for i in range(count):
             table = order[i * blocks : (i + 1) * blocks].view(len(seq_lens), width)
-            args = (q, self.k, self.v, out, query_start_loc, lens, table, HEAD_DIM**-0.5, config)
+            args = (q, self.k, self.v, out, query_start_loc, lens, table, HEAD_DIM**-0.5, config,
+                    merge)  # fmt: skip
             calls.append(lambda args=args: _attend(*args))
         return calls
 
 
-def _attend(q, k, v, out, query_start_loc, lens, table, scale, config) -> None:
-    attention.PagedAttention(q, out, k, query_start_loc, lens, table, scale, config)(q, k, v, out)
+def _attend(q, k, v, out, query_start_loc, lens, table, scale, config, merge) -> None:
+    attention.PagedAttention(q, out, k, query_start_loc, lens, table, scale, config, merge)(
+        q, k, v, out
+    )
 
 
 def decode_rows(pool: KVPool, copy_bw: float) -> list[list[str]]:
@@ -278,6 +284,8 @@ def decode_sweep_rows(pool: KVPool) -> list[list[str]]:
             ]
             case = f"decode {batch} x {context}"
             rows += _time_variants(pool, case, q_lens, seq_lens, variants)
+            merged = graph_seconds(pool.calls(q_lens, seq_lens, base, merge=True))
+            rows.append([case, _short(base) + " merged (eager steps)", f"{merged * 1e6:.1f}"])
     return rows
 
 
@@ -341,7 +349,7 @@ def sdpa_rows(pool: KVPool, matmul: float) -> list[list[str]]:
 
 
 def _config_for(q_lens, seq_lens, pool):
-    q = torch.empty(sum(q_lens), HEADS, HEAD_DIM, device="cuda")
+    q = torch.empty(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     table = torch.empty(len(seq_lens), -(-max(seq_lens) // BLOCK), device="cuda")
     return attention.choose_config(q, pool.k, table, len(seq_lens))
 

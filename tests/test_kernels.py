@@ -228,16 +228,17 @@ MIXED_Q = [0, 1, 7, 1, 37, 1, 0]
 MIXED_SEQ = [25, 17, 40, 1, 37, 100, 0]
 
 
-def run_attention(batch, config=None):
+def run_attention(batch, config=None, merge=False):
     out = torch.full(batch.q.shape, NAN, dtype=batch.q.dtype)
     scale = batch.q.shape[-1] ** -0.5
-    if config is None:
+    if config is None and not merge:
         paged_attention(*batch.args(out), scale)
     else:
         b = batch
         PagedAttention(
-            b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale, config
-        )(b.q, b.k_cache, b.v_cache, out)
+            b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale, config,
+            merge=merge,
+        )(b.q, b.k_cache, b.v_cache, out)  # fmt: skip
     return out, scale
 
 
@@ -270,18 +271,49 @@ def test_paged_attention_mixed_batch(kind, group):
     check_attention(batch, out, scale, torch.float32)
 
 
-def test_split_kv_follows_the_live_length():
+@pytest.mark.parametrize("kind", ["decode", "tile2-split2"])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_merged_splits_equal_the_combine_launch_bit_for_bit(kind, group):
+    """MERGE (eager steps): the last live part of each tile merges the parts itself, through
+    the combine's own row merge, so eager steps and graph replays (the combine launch) give
+    the same bits. Padding tokens stay unwritten and tiles of one part write their own rows."""
+    batch = make_batch(MIXED_Q, MIXED_SEQ, 2 * group, 2, 64, torch.float32, pad_tokens=2)
+    out, scale = run_attention(batch, config_for(kind, group), merge=True)
+    check_attention(batch, out, scale, torch.float32)
+    combined, _ = run_attention(batch, config_for(kind, group))
+    real = int(batch.query_start_loc[-1])  # the padding rows are NaN in both (checked)
+    assert torch.equal(out[:real], combined[:real])
+
+
+def test_a_merging_launch_has_no_combine_and_needs_a_split():
+    batch = make_batch([1, 1], [100, 90], 4, 2, 64, torch.float32)
+    b, out = batch, torch.empty_like(batch.q)
+    build = lambda splits, merge: PagedAttention(
+        b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, 0.125,
+        Config(1, 16, 16, splits, num_warps=4, num_stages=1), merge=merge,
+    )  # fmt: skip
+    assert build(4, merge=False).combine is not None
+    merged = build(4, merge=True)
+    assert merged.combine is None and merged.attend.kwargs["MERGE"]
+    assert merged.attend.kwargs["SPLITS"] == 4
+    unsplit = build(1, merge=True)
+    assert not unsplit.attend.kwargs["MERGE"] and unsplit.attend.kwargs["SPLITS"] == 1
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_split_kv_follows_the_live_length(merge):
     """One launch object, as a graph replays it, over steps whose lengths change on the device:
     a long context splits into up to four parts, a short one runs as one part that writes its
     own output (the combine skips it), and a later medium one (two parts) never merges the
-    partials the long step left in the parts it no longer uses."""
+    partials the long step left in the parts it no longer uses. Merging in the kernel, each
+    tile's count must be back at 0 for the next step, whose tiles count to another number."""
     batch = make_batch([1, 1], [100, 90], 4, 2, 64, torch.float32)
     out = torch.full(batch.q.shape, NAN)
     scale = 64**-0.5
     b = batch
     attention = PagedAttention(
         b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale,
-        Config(1, 16, 16, 4, num_warps=4, num_stages=1),
+        Config(1, 16, 16, 4, num_warps=4, num_stages=1), merge=merge,
     )  # fmt: skip
     for lens in ([100, 90], [20, 3], [40, 70]):  # live parts: 4 4, 1 1, 2 3
         batch.seq_lens.copy_(torch.tensor(lens))
@@ -669,11 +701,12 @@ class _Steps:
         self.query_start_loc = torch.zeros(5, dtype=torch.int32)
         self.seq_lens = torch.zeros(4, dtype=torch.int32)
         self.backend = triton_backend.TritonAttentionBackend()
-        self.built = []
+        self.built, self.merged = [], []  # what each PagedAttention was built with
         build = triton_backend.PagedAttention
 
-        def spy(*args):
-            self.built.append(build(*args))
+        def spy(*args, merge=False):
+            self.merged.append(merge)
+            self.built.append(build(*args, merge=merge))
             return self.built[-1]
 
         monkeypatch.setattr(triton_backend, "PagedAttention", spy)
@@ -730,3 +763,5 @@ def test_graph_captures_and_warm_ups_neither_take_nor_fill_the_eager_cache(monke
     assert len({id(eager), id(captured), id(warm_up)}) == 3
     assert list(steps.backend.eager.launches.values()) == [eager]
     assert steps.run([1, 1], [20, 33]) is eager
+    # eager steps merge a split KV in the attention kernel; graphs keep the combine launch
+    assert steps.merged == [True, False, False]

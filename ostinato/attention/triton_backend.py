@@ -83,7 +83,9 @@ class EagerLaunches:
     reads lengths on the device, so it serves any later step of that form. Graph captures
     never take one: a graph keeps using the scratch of the instance it captured, which must
     live in the graph's memory pool, not be freed when this cache drops it. Warm-ups neither
-    (they run on the capture stream)."""
+    (they run on the capture stream). An eager instance merges a split KV in the attention
+    kernel (merge=True): one launch a layer fewer, which costs host time here and device
+    time in a graph, so graphs keep the combine launch."""
 
     SIZE = 32  # kinds of step kept: decode batch sizes and prefill chunk lengths come and go
 
@@ -96,7 +98,7 @@ class EagerLaunches:
         full = (*key, q.device, k_cache.shape, *where)
         launch = self.launches.pop(full, None)
         if launch is None:
-            launch = PagedAttention(q, out, k_cache, *tensors, scale)
+            launch = PagedAttention(q, out, k_cache, *tensors, scale, merge=True)
             if len(self.launches) >= self.SIZE:  # the least recently used goes
                 del self.launches[next(iter(self.launches))]
         self.launches[full] = launch  # (re)inserted last: the most recently used

@@ -98,13 +98,13 @@ def _attend_tile(
 @jit(do_not_specialize=["num_reqs"])  # no compiled variant per batch size
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_ptr, m_ptr, l_ptr, live_ptr,
+    part_ptr, m_ptr, l_ptr, live_ptr, count_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, REQ_CHUNK: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
+    SPLITS: tl.constexpr, REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (tile, kv_head, split). A tile is BLOCK_Q query tokens of one request times the GROUP
     query heads that share kv_head, packed into BLOCK_M rows, so each K/V tile loaded serves
@@ -115,7 +115,10 @@ def _attention_kernel(
     lengths): the tile's KV range is cut into `live` equal parts of at least two KV tiles, at
     most num_splits; split s < live writes an unnormalised partial that _combine_kernel
     reduces, the others exit at once, and with one live part split 0 writes the output itself
-    (the combine then skips the row). live_ptr holds each token's live part count."""
+    (the combine then skips the row). live_ptr holds each token's live part count. MERGE
+    (SPLITS: num_splits): no combine launch; the last live part of a tile to finish merges
+    the parts, row by row as the combine does (count_ptr: a zeroed count per tile and KV
+    head, set back to 0 by that part)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -183,7 +186,7 @@ def _attention_kernel(
             stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION,
         )  # fmt: skip
 
-    if SPLIT:  # split 0 of every token's row, for the combine
+    if SPLIT and not MERGE:  # split 0 of every token's row, for the combine
         first = (rows * 0 + split) == 0
         tl.store(live_ptr + token, tl.zeros_like(rows) + live, mask=row_ok & first)
     if live > 1:
@@ -191,6 +194,21 @@ def _attention_kernel(
         tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
         tl.store(m_ptr + part, m_i, mask=row_ok)
         tl.store(l_ptr + part, l_i, mask=row_ok)
+        if MERGE:
+            count = count_ptr + tile * tl.num_programs(1) + kv_head
+            tl.debug_barrier()  # every thread's partial stored before the count releases them
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == live - 1:
+                tl.store(count, 0)
+                for r in range(BLOCK_Q * GROUP):  # this tile's rows
+                    t = q_tile * BLOCK_Q + r // GROUP
+                    if t < q_len:
+                        row_token = (q_start + t).to(tl.int64)
+                        row_head = kv_head * GROUP + r % GROUP
+                        _merge_row(
+                            out_ptr + row_token * stride_ot + row_head * stride_oh, part_ptr,
+                            m_ptr, l_ptr, row_token * (GROUP * tl.num_programs(1)) + row_head,
+                            live, HEAD_DIM, SPLITS,
+                        )  # fmt: skip
     else:
         o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -205,7 +223,8 @@ def _combine_kernel(
     """Grid (token, head): merges the live partials of one row by their softmax weights; a row
     with one live part was written by the attention kernel and is skipped.
     Measured on the H100, this second launch beats merging in the attention kernel's last
-    part to finish, at every batch and context tried."""
+    part to finish (MERGE) at every batch and context tried, inside a CUDA graph; MERGE
+    saves a launch's host time where there is none (eager steps)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -216,17 +235,31 @@ def _combine_kernel(
     live = tl.load(live_ptr + token)
     if live <= 1:
         return
-    row = (token.to(tl.int64) * tl.num_programs(1) + head) * SPLITS
+    row = token.to(tl.int64) * tl.num_programs(1) + head
+    _merge_row(
+        out_ptr + token * stride_ot + head * stride_oh, part_ptr, m_ptr, l_ptr, row, live,
+        HEAD_DIM, SPLITS,
+    )  # fmt: skip
+
+
+@jit
+def _merge_row(out_row, part_ptr, m_ptr, l_ptr, row, live, HEAD_DIM: tl.constexpr,
+               SPLITS: tl.constexpr):  # fmt: skip
+    """out_row = the live partials of row (token * heads + head) merged by their softmax
+    weights. .cg loads: from L2, where other programs wrote."""
+    base = row * SPLITS
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    m = tl.load(m_ptr + row + s, mask=s < live, other=float("-inf"))
+    m = tl.load(m_ptr + base + s, mask=s < live, other=float("-inf"), cache_modifier=".cg")
     w = tl.exp2(m - tl.max(m, axis=0))
-    l_sum = tl.sum(tl.load(l_ptr + row + s, mask=s < live, other=0.0) * w, axis=0)
+    l_part = tl.load(l_ptr + base + s, mask=s < live, other=0.0, cache_modifier=".cg")
+    l_sum = tl.sum(l_part * w, axis=0)
     acc = tl.load(
-        part_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < live)[:, None], other=0.0
-    )
+        part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=(s < live)[:, None],
+        other=0.0, cache_modifier=".cg",
+    )  # fmt: skip
     o = tl.sum(acc * w[:, None], axis=0) / l_sum
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_row + d, o.to(out_row.dtype.element_ty))
 
 
 _SHORT_QUERY = 8  # mean query length up to which a batch is decode-like
@@ -304,7 +337,10 @@ class PagedAttention:
         block_table: torch.Tensor,
         scale: float,
         config: Config | None = None,
+        merge: bool = False,
     ) -> None:
+        """merge: the attention kernel merges a split KV's parts itself (MERGE), no combine
+        launch: for eager steps, which pay a launch's host time; a graph's replay does not."""
         num_tokens, num_heads, head_dim = q.shape
         num_reqs = seq_lens.shape[0]
         self.attend = self.combine = None
@@ -317,21 +353,25 @@ class PagedAttention:
         assert head_dim & (head_dim - 1) == 0 and num_heads == group * kv_heads
         assert cfg.block_m >= cfg.block_q * group and cfg.splits & (cfg.splits - 1) == 0
         split = cfg.splits > 1
+        merge = merge and split
+        tiles = _num_tiles(num_tokens, num_reqs, cfg.block_q)
         # partial outputs and their softmax max / sum, only when the KV is split
         part_shape = (num_tokens, num_heads, cfg.splits) if split else (1,)
         part = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((2, *part_shape), dtype=torch.float32, device=q.device)
         live = torch.empty(num_tokens if split else 1, dtype=torch.int32, device=q.device)
+        counts = torch.zeros(tiles * kv_heads if merge else 1, dtype=torch.int32, device=q.device)
         pdl = pdl_options()
         self.attend = Launch(
             _attention_kernel,
-            (_num_tiles(num_tokens, num_reqs, cfg.block_q), kv_heads, cfg.splits),
+            (tiles, kv_heads, cfg.splits),
             num_head=4,  # q, k_cache, v_cache, out: each layer's own
             tail=(
                 part,
                 stats[0],
                 stats[1],
                 live,
+                counts,
                 query_start_loc,
                 seq_lens,
                 block_table,
@@ -354,6 +394,8 @@ class PagedAttention:
                 HEAD_DIM=head_dim,
                 PAGE=page,
                 SPLIT=split,
+                MERGE=merge,
+                SPLITS=cfg.splits if merge else 1,  # a variant per split count only to merge
                 REQ_CHUNK=128,
                 PRECISION=_precision(q.dtype),
                 PDL=pdl["PDL"],
@@ -362,7 +404,7 @@ class PagedAttention:
             num_stages=cfg.num_stages,
             launch_pdl=pdl["launch_pdl"],
         )
-        if split:
+        if split and not merge:
             self.combine = Launch(
                 _combine_kernel,
                 (num_tokens, num_heads, 1),

@@ -295,6 +295,28 @@ def test_paged_attention_decode(shape, num_reqs):
     check(batch, attend(batch))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("num_reqs, spec", [(1, 1), (8, 1), (32, 1), (4, 4)])
+def test_merged_splits_match_the_combine_launch_bit_for_bit(shape, num_reqs, spec):
+    """Eager steps merge a split KV in the attention kernel's last live part of each tile
+    (merge=True); graphs launch the combine. Both must give the same bits, on every repeat:
+    a part that merged before the others had stored (a race) would not. spec: query tokens
+    per request (a speculative verify)."""
+    seq_lens = torch.randint(spec, 6000, (num_reqs,)).tolist()
+    b = make_batch([spec] * num_reqs, seq_lens, *SHAPES[shape])
+    args = (b["q"], b["k_cache"], b["v_cache"])
+    meta = (b["query_start_loc"], b["seq_lens"], b["block_table"], b["q"].shape[-1] ** -0.5)
+    outs = {}
+    for merge in (False, True):
+        out = torch.full_like(b["q"], NAN)
+        attention = PagedAttention(b["q"], out, b["k_cache"], *meta, merge=merge)
+        assert (attention.combine is None) == merge, "the default config splits these"
+        outs[merge] = [attention(*args, out) or out.clone() for _ in range(20)]
+    check(b, outs[True][0])
+    for out in outs[True]:
+        assert torch.equal(out, outs[False][0])
+
+
 def test_paged_attention_long_prefill():
     batch = make_batch([4096], [4096], *SHAPES["llama-3.1-8b"])
     check(batch, attend(batch))
