@@ -273,10 +273,10 @@ def test_paged_attention_mixed_batch(kind, group):
 
 @pytest.mark.parametrize("kind", ["decode", "tile2-split2"])
 @pytest.mark.parametrize("group", [1, 2, 8])
-def test_merged_splits_equal_the_combine_launch_bit_for_bit(kind, group):
+def test_merged_splits_equal_the_combine_launch(kind, group):
     """MERGE (eager steps): the last live part of each tile merges the parts itself, through
-    the combine's own row merge, so eager steps and graph replays (the combine launch) give
-    the same bits. Padding tokens stay unwritten and tiles of one part write their own rows."""
+    the combine's own row merge (here the same bits; compiled on a GPU, within rounding).
+    Padding tokens stay unwritten and tiles of one part write their own rows."""
     batch = make_batch(MIXED_Q, MIXED_SEQ, 2 * group, 2, 64, torch.float32, pad_tokens=2)
     out, scale = run_attention(batch, config_for(kind, group), merge=True)
     check_attention(batch, out, scale, torch.float32)

@@ -297,11 +297,13 @@ def test_paged_attention_decode(shape, num_reqs):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("num_reqs, spec", [(1, 1), (8, 1), (32, 1), (4, 4)])
-def test_merged_splits_match_the_combine_launch_bit_for_bit(shape, num_reqs, spec):
+def test_merged_splits_match_the_combine_launch(shape, num_reqs, spec):
     """Eager steps merge a split KV in the attention kernel's last live part of each tile
-    (merge=True); graphs launch the combine. Both must give the same bits, on every repeat:
-    a part that merged before the others had stored (a race) would not. spec: query tokens
-    per request (a speculative verify)."""
+    (merge=True); graphs launch the combine. Both run the same row merge; compiled into
+    different kernels, its sums may round differently (head_dim 64 and 256 do), so they agree
+    within rounding, and the merged launch gives the same bits on every repeat: a part that
+    merged before the others had stored (a race) would not. spec: query tokens per request
+    (a speculative verify)."""
     seq_lens = torch.randint(spec, 6000, (num_reqs,)).tolist()
     b = make_batch([spec] * num_reqs, seq_lens, *SHAPES[shape])
     args = (b["q"], b["k_cache"], b["v_cache"])
@@ -313,8 +315,9 @@ def test_merged_splits_match_the_combine_launch_bit_for_bit(shape, num_reqs, spe
         assert (attention.combine is None) == merge, "the default config splits these"
         outs[merge] = [attention(*args, out) or out.clone() for _ in range(20)]
     check(b, outs[True][0])
-    for out in outs[True]:
-        assert torch.equal(out, outs[False][0])
+    assert_rel(outs[True][0], outs[False][0], tol=1e-3)
+    for out in outs[True][1:]:
+        assert torch.equal(out, outs[True][0])
 
 
 def test_paged_attention_long_prefill():
