@@ -308,10 +308,16 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
     return Config(block_q, block_m, block_n, 1, num_warps, num_stages)
 
 
+# Programs per SM a split KV aims for. The H100 decode sweep (bench_kernels decode-sweep,
+# Llama-3.1-8B heads, contexts 576 and 1088) was fastest at about 2: 32 parts for one request,
+# 4 for 8, none for 32 (34.1 µs against 40.1 with 2 parts at 576); 4 per SM split 32 requests.
+PROGRAMS_PER_SM = 2
+
+
 def _splits(programs: int, num_sms: int, most: int) -> int:
     """A power of two (few compiled variants), at most `most`, bringing the programs to about
-    4 per SM."""
-    want = min(triton.cdiv(4 * num_sms, programs), max(most, 1))
+    PROGRAMS_PER_SM per SM (not above it: a second wave of parts costs more than it hides)."""
+    want = min(max(PROGRAMS_PER_SM * num_sms // programs, 1), max(most, 1))
     return 1 << (want.bit_length() - 1)
 
 
