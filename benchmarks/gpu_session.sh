@@ -348,7 +348,8 @@ serve)
   model=${2:?model}
   info | tee "$OUT/env.txt"
   # the GPU image has no fastapi/uvicorn/pyzmq/msgspec: wheels travel in .whl (WHEELS to point
-  # elsewhere), or are unpacked beforehand into a directory on PYTHONPATH
+  # elsewhere), with their dependencies (fastapi 0.165 imports opentelemetry-api), or are
+  # unpacked beforehand into a directory on PYTHONPATH
   python3 -c "import fastapi, uvicorn, zmq, msgspec" 2>/dev/null ||
     python3 -m pip install -q --no-index --find-links "${WHEELS:-.whl}" fastapi uvicorn pyzmq msgspec ||
     exit 1
