@@ -90,4 +90,16 @@ pw)  # PIECEWISE b1 / b8: m1 (no merge) / m2 (merge) / m4 (merge + 2 per SM), pi
   prof m4 pw8 --model random:qwen3-0.6b --modes piecewise --batch-sizes 8 --sections decode,kernels
   prof m1 pw8 --model random:qwen3-0.6b --modes piecewise --batch-sizes 8 --sections decode,kernels
   ;;
+bn16)  # 4 KiB K tiles from a quarter of the SMs' programs (m5) vs m4: sweep, FULL decode A/B, start-up
+  (cd .gpu/m4 && timeout 200 python3 benchmarks/bench_kernels.py --sections decode-sweep --out $OUT/decode-sweep-m4.md \
+     2>>$OUT/err.txt | grep -E "decode (8|32) " | head -40)
+  q=(--model random:qwen3-0.6b --input-len 512 --output-len 64 --iters 3 --max-model-len 2048
+     --batch-size 1,8,32 --cuda-graph-mode full_and_piecewise)
+  for t in m4 m5 m5 m4; do lat $t full "${q[@]}"; done
+  l=(--model random:llama-3.1-8b --input-len 512 --output-len 64 --iters 3 --max-model-len 2048
+     --batch-size 32 --cuda-graph-mode full_and_piecewise)
+  for t in m4 m5 m5 m4; do lat $t full "${l[@]}"; done
+  for t in m4 m5; do (cd .gpu/$t && timeout 120 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" | tee -a $OUT/startup.jsonl); done
+  ;;
 esac
