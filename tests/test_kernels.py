@@ -285,6 +285,16 @@ def test_merged_splits_equal_the_combine_launch(kind, group):
     assert torch.equal(out[:real], combined[:real])
 
 
+@pytest.mark.parametrize(
+    "programs, most, splits",
+    [(8, 64, 32), (8, 16, 16), (64, 64, 4), (256, 64, 1), (512, 64, 1), (32, 64, 8)],
+)
+def test_a_split_kv_aims_at_two_programs_per_sm(programs, most, splits):
+    """132 SMs (an H100): one request of 8 KV heads splits in 32 (or as many as the block
+    table allows), 8 requests in 4, 32 requests not at all (the H100 decode sweep's best)."""
+    assert attention_module._splits(programs, 132, most) == splits
+
+
 def test_a_merging_launch_has_no_combine_and_needs_a_split():
     batch = make_batch([1, 1], [100, 90], 4, 2, 64, torch.float32)
     b, out = batch, torch.empty_like(batch.q)
@@ -295,6 +305,10 @@ def test_a_merging_launch_has_no_combine_and_needs_a_split():
     assert build(4, merge=False).combine is not None
     merged = build(4, merge=True)
     assert merged.combine is None and merged.attend.kwargs["MERGE"]
+    counts = merged.attend.tail[4]  # one zeroed count per tile and KV head
+    assert counts.shape == (2 * 2,) and not counts.any()
+    combined = build(4, merge=False).attend
+    assert combined.tail[4] is combined.tail[3]  # no counts (nothing zeroed in a capture)
     assert merged.attend.kwargs["SPLITS"] == 4
     unsplit = build(1, merge=True)
     assert not unsplit.attend.kwargs["MERGE"] and unsplit.attend.kwargs["SPLITS"] == 1

@@ -366,7 +366,10 @@ class PagedAttention:
         part = torch.empty((*part_shape, head_dim), dtype=torch.float32, device=q.device)
         stats = torch.empty((2, *part_shape), dtype=torch.float32, device=q.device)
         live = torch.empty(num_tokens if split else 1, dtype=torch.int32, device=q.device)
-        counts = torch.zeros(tiles * kv_heads if merge else 1, dtype=torch.int32, device=q.device)
+        # zeroed only to merge (eager instances): a capture would record the zeroing
+        counts = (
+            torch.zeros(tiles * kv_heads, dtype=torch.int32, device=q.device) if merge else live
+        )
         pdl = pdl_options()
         self.attend = Launch(
             _attention_kernel,
