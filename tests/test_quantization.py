@@ -152,9 +152,17 @@ def random_fp8_weights(n: int, k: int, block: tuple[int, int] | None, g: torch.G
     if block is None:
         scale = torch.rand(n, 1, generator=g) + 0.5
         return q, scale, scale.double()
-    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5
+    scale = nan_tailed(torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5)
     expanded = scale.double().repeat_interleave(block[0], 0)[:n]
     return q, scale, expanded.repeat_interleave(block[1], 1)[:, :k]
+
+
+def nan_tailed(t: torch.Tensor) -> torch.Tensor:
+    """t in memory followed by NaNs: a kernel that reads past its end (a chunk of K past the
+    last scale column, say) turns its output NaN, not right by the luck of what lies there."""
+    memory = torch.full((t.numel() + 256,), float("nan"), dtype=t.dtype)
+    memory[: t.numel()] = t.flatten()
+    return memory[: t.numel()].view(t.shape)
 
 
 def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
@@ -168,6 +176,22 @@ def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
         q = (part / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
         out[:, j : j + group] = q.double() * scale.double()
     return out
+
+
+@pytest.mark.parametrize("span, split", [(256, 3), (512, 2), (1024, 1)])
+def test_fp8_gemv_one_row_spans_past_k(monkeypatch, span, split):
+    """One row, block-wise: a launch whose spans reach past K (520) has chunks with no weight
+    columns; they add nothing and read no scale past the last column (the scales are
+    followed by NaNs)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(span)
+    n, k, block = 130, 520, (64, 64)
+    x = torch.randn(1, k, generator=g)
+    q, scale, expanded = random_fp8_weights(n, k, block, g)
+    config = fp8.gemv_config(1, n, k, block, 4, torch.float32)._replace(span=span, split=split)
+    got = fp8_gemv(x, q, scale, block, config)
+    want = x.double() @ (q.double() * expanded).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize(

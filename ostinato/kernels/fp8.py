@@ -316,7 +316,9 @@ def _fp8_gemv_kernel(
                 w = load_weights(w_rows, kk, col_ok, K, EVEN)
             x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             if BLOCKWISE:
-                s = tl.load(s_cols + (k_lo + c * BLOCK_K) // BLOCK_SK, mask=col_ok, other=0.0)
+                # a chunk past K (no terms) reads the last scale column, not one past the end
+                k0 = tl.minimum(k_lo + c * BLOCK_K, K - 1)
+                s = tl.load(s_cols + k0 // BLOCK_SK, mask=col_ok, other=0.0)
                 terms += w.to(tl.float32) * x[None, :] * s[:, None]
             else:
                 terms += w.to(tl.float32) * x[None, :]
@@ -342,7 +344,8 @@ def _fp8_gemv_kernel(
                     else:
                         part = tl.dot(w, tl.trans(xq))
                     if BLOCKWISE:
-                        s = tl.load(s_cols + (k0 + g * GROUP) // BLOCK_SK, mask=col_ok, other=0.0)
+                        kg = tl.minimum(k0 + g * GROUP, K - 1)  # (as the one-row loop's)
+                        s = tl.load(s_cols + kg // BLOCK_SK, mask=col_ok, other=0.0)
                         acc_t += part * xs[None, :] * s[:, None]
                     else:
                         acc_t += part * xs[None, :]
