@@ -12,6 +12,8 @@ import triton.language as tl
 from helpers import close
 from triton.runtime.jit import JITFunction
 
+from ostinato.attention.torch_backend import TorchAttentionBackend
+from ostinato.attention.triton_backend import TritonAttentionBackend
 from ostinato.kernels import (
     PagedAttention,
     fused_add_rms_norm,
@@ -23,7 +25,13 @@ from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.dispatch import Kernel, interpreting, jit
 from ostinato.kernels.launch import Launch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from ostinato.kernels.paged_attention import Config, choose_config, paged_attention_torch
+from ostinato.kernels.paged_attention import (
+    Config,
+    LayerShape,
+    choose_config,
+    launch_classes,
+    paged_attention_torch,
+)
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 # the package re-exports the function under the module's name, so reach the module itself
@@ -258,6 +266,7 @@ def config_for(kind, group):
     return {
         "auto": None,
         "decode": Config(1, rows(1), 16, 4, num_warps=4, num_stages=1),
+        "decode-split16": Config(1, rows(1), 16, 16, num_warps=4, num_stages=1),
         "tile2-split2": Config(2, rows(2), 16, 2, num_warps=4, num_stages=1),
         "prefill": Config(max(1, 64 // group), rows(max(1, 64 // group)), 32, 1, 4, 1),
     }[kind]
@@ -271,18 +280,20 @@ def test_paged_attention_mixed_batch(kind, group):
     check_attention(batch, out, scale, torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["decode", "tile2-split2"])
+@pytest.mark.parametrize("kind", ["decode", "tile2-split2", "decode-split16"])
 @pytest.mark.parametrize("group", [1, 2, 8])
 def test_merged_splits_equal_the_combine_launch(kind, group):
-    """MERGE (eager steps): the last live part of each tile merges the parts itself, through
-    the combine's own row merge (here the same bits; compiled on a GPU, within rounding).
-    Padding tokens stay unwritten and tiles of one part write their own rows."""
-    batch = make_batch(MIXED_Q, MIXED_SEQ, 2 * group, 2, 64, torch.float32, pad_tokens=2)
+    """MERGE (eager steps): the last live part of each tile merges the parts itself, eight at
+    a time with a running maximum (16 splits: up to 16 live parts, two rounds), equal to the
+    combine launch within float32 rounding (the sums' order differs). Padding tokens stay
+    unwritten and tiles of one part write their own rows."""
+    lengths = [6 * n for n in MIXED_SEQ] if kind == "decode-split16" else MIXED_SEQ
+    batch = make_batch(MIXED_Q, lengths, 2 * group, 2, 64, torch.float32, pad_tokens=2)
     out, scale = run_attention(batch, config_for(kind, group), merge=True)
     check_attention(batch, out, scale, torch.float32)
     combined, _ = run_attention(batch, config_for(kind, group))
     real = int(batch.query_start_loc[-1])  # the padding rows are NaN in both (checked)
-    assert torch.equal(out[:real], combined[:real])
+    torch.testing.assert_close(out[:real], combined[:real], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -293,6 +304,46 @@ def test_a_split_kv_aims_at_two_programs_per_sm(programs, most, splits):
     """132 SMs (an H100): one request of 8 KV heads splits in 32 (or as many as the block
     table allows), 8 requests in 4, 32 requests not at all (the H100 decode sweep's best)."""
     assert attention_module._splits(programs, 132, most) == splits
+
+
+@pytest.mark.parametrize(
+    "shape, width, sms, max_reqs, max_tokens",
+    [
+        (LayerShape(16, 128, 2, 16, 8), 128, 132, 40, 300),  # qwen3-0.6b on an H100
+        (LayerShape(32, 128, 2, 16, 8), 128, 16, 40, 300),  # llama, few SMs: fewer splits
+        (LayerShape(4, 64, 4, 16, 4), 2, 8, 40, 300),  # float32 MHA; short table: no split
+        (LayerShape(16, 128, 2, 16, 8), 128, 132, 3, 20),  # 3 requests of up to 20 tokens
+        (LayerShape(16, 128, 2, 16, 8), 128, 132, 64, 20),  # 20 tokens: the fullest batch
+    ],
+)  # fmt: skip
+def test_launch_classes_reach_every_kernel_a_batch_can_launch(
+    shape, width, sms, max_reqs, max_tokens
+):
+    """Start-up warm-up batches: for every batch of up to max_reqs requests and max_tokens
+    tokens, the attention kernel it launches (its config; any split count >= 2 is one
+    kernel) is one that some warm-up batch launches, and each warm-up batch launches its own."""
+    kernel = lambda tokens, reqs: attention_module._config(shape, tokens, reqs, width, sms)
+    one_kernel = lambda c: c._replace(splits=min(c.splits, 2))
+    batches = launch_classes(shape, width, sms, max_reqs, max_tokens)
+    warmed = [one_kernel(kernel(*batch)) for batch in batches]
+    assert len(set(warmed)) == len(warmed)
+    assert all(reqs <= max_reqs and reqs <= tokens <= max_tokens for tokens, reqs in batches)
+    launched = {
+        one_kernel(kernel(tokens, reqs))
+        for reqs in range(1, max_reqs + 1)
+        for tokens in range(reqs, max_tokens + 1)
+    }
+    assert launched == set(warmed)
+
+
+def test_the_triton_backend_warms_up_its_launch_classes():
+    """The backend's warm-up batches are launch_classes' for the layer the cache describes
+    (8 SMs on the CPU)."""
+    k_cache = torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)
+    got = TritonAttentionBackend().warm_up_batches(8, k_cache, 32, 64, 512)
+    assert got == launch_classes(LayerShape(8, 64, 2, 16, 2), 32, 8, 64, 512)
+    assert {min(t // r, 16) for t, r in got} == {1, 2, 4, 8, 16}  # every tile height, long
+    assert TorchAttentionBackend().warm_up_batches(8, k_cache, 32, 64, 512) == []
 
 
 def test_a_merging_launch_has_no_combine_and_needs_a_split():
@@ -309,9 +360,10 @@ def test_a_merging_launch_has_no_combine_and_needs_a_split():
     assert counts.shape == (2 * 2,) and not counts.any()
     combined = build(4, merge=False).attend
     assert combined.tail[4] is combined.tail[3]  # no counts (nothing zeroed in a capture)
-    assert merged.attend.kwargs["SPLITS"] == 4
+    # one compiled kernel merges any split count: none is compiled mid-serving per count
+    assert build(2, merge=True).attend.key == merged.attend.key == build(16, merge=True).attend.key
     unsplit = build(1, merge=True)
-    assert not unsplit.attend.kwargs["MERGE"] and unsplit.attend.kwargs["SPLITS"] == 1
+    assert not unsplit.attend.kwargs["MERGE"] and unsplit.attend.key == build(1, False).attend.key
 
 
 @pytest.mark.parametrize("merge", [False, True])

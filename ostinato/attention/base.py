@@ -47,6 +47,14 @@ class AttentionBackend(ABC):
         depends only on the batch (launch configuration, scratch) is worked out here or at the
         first layer's call, not again at every layer."""
 
+    def warm_up_batches(
+        self, num_heads: int, k_cache: torch.Tensor, width: int, max_reqs: int, max_tokens: int
+    ) -> list[tuple[int, int]]:
+        """(num_tokens, num_reqs) of the dummy batches an engine runs eagerly once at start-up
+        so that no eager step compiles a kernel while serving (num_heads: of this rank;
+        k_cache: one layer's; width: the block table's blocks per request). None by default."""
+        return []
+
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
 

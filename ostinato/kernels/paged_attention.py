@@ -104,7 +104,7 @@ def _attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-    SPLITS: tl.constexpr, REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (tile, kv_head, split). A tile is BLOCK_Q query tokens of one request times the GROUP
     query heads that share kv_head, packed into BLOCK_M rows, so each K/V tile loaded serves
@@ -115,10 +115,10 @@ def _attention_kernel(
     lengths): the tile's KV range is cut into `live` equal parts of at least two KV tiles, at
     most num_splits; split s < live writes an unnormalised partial that _combine_kernel
     reduces, the others exit at once, and with one live part split 0 writes the output itself
-    (the combine then skips the row). live_ptr holds each token's live part count. MERGE
-    (SPLITS: num_splits): no combine launch; the last live part of a tile to finish merges
-    the parts, row by row as the combine does (count_ptr: a zeroed count per tile and KV
-    head, set back to 0 by that part)."""
+    (the combine then skips the row). live_ptr holds each token's live part count. MERGE: no
+    combine launch; the last live part of a tile to finish merges the parts, row by row
+    (_merge_parts: one compiled variant for every split count; count_ptr: a zeroed count per
+    tile and KV head, set back to 0 by that part)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -204,10 +204,10 @@ def _attention_kernel(
                     if t < q_len:
                         row_token = (q_start + t).to(tl.int64)
                         row_head = kv_head * GROUP + r % GROUP
-                        _merge_row(
+                        _merge_parts(
                             out_ptr + row_token * stride_ot + row_head * stride_oh, part_ptr,
                             m_ptr, l_ptr, row_token * (GROUP * tl.num_programs(1)) + row_head,
-                            live, HEAD_DIM, SPLITS,
+                            live, num_splits, HEAD_DIM,
                         )  # fmt: skip
     else:
         o = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
@@ -262,6 +262,38 @@ def _merge_row(out_row, part_ptr, m_ptr, l_ptr, row, live, HEAD_DIM: tl.constexp
     tl.store(out_row + d, o.to(out_row.dtype.element_ty))
 
 
+_MERGE_CHUNK = tl.constexpr(8)  # parts _merge_parts reads at once
+
+
+@jit
+def _merge_parts(out_row, part_ptr, m_ptr, l_ptr, row, live, num_splits,
+                 HEAD_DIM: tl.constexpr):  # fmt: skip
+    """_merge_row for any split count: the live parts _MERGE_CHUNK at a time, rescaled to the
+    running maximum (as attention's own softmax), so one compiled kernel serves every count.
+    Up to _MERGE_CHUNK parts it is _merge_row's arithmetic (the first chunk's rescale is by 0)."""
+    base = row * num_splits
+    d = tl.arange(0, HEAD_DIM)
+    m_run = float("-inf")
+    l_run = 0.0
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for first in range(0, live, _MERGE_CHUNK):
+        s = first + tl.arange(0, _MERGE_CHUNK)
+        ok = s < live
+        m = tl.load(m_ptr + base + s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        rescale = tl.exp2(m_run - m_new)
+        w = tl.exp2(m - m_new)
+        l_part = tl.load(l_ptr + base + s, mask=ok, other=0.0, cache_modifier=".cg")
+        parts = tl.load(
+            part_ptr + (base + s)[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        l_run = l_run * rescale + tl.sum(l_part * w, axis=0)
+        acc = acc * rescale + tl.sum(parts * w[:, None], axis=0)
+        m_run = m_new
+    tl.store(out_row + d, (acc / l_run).to(out_row.dtype.element_ty))
+
+
 _SHORT_QUERY = 8  # mean query length up to which a batch is decode-like
 _LOG2E = 1.4426950408889634
 
@@ -285,19 +317,35 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
     num_stages 5: the page-table load feeding each K/V address takes a pipeline stage of its
     own, and fewer stages leave no K/V tile in flight while the previous one is computed."""
     num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
+    shape = LayerShape(num_heads, head_dim, q.element_size(), *k_cache.shape[1:3])
+    return _config(shape, num_tokens, num_reqs, block_table.shape[1], num_sms(q.device, 8))
+
+
+class LayerShape(NamedTuple):
+    """What a layer's attention launches depend on besides the batch."""
+
+    num_heads: int
+    head_dim: int
+    itemsize: int  # of q and the cache
+    page: int  # block size of the KV cache
+    kv_heads: int
+
+
+def _config(shape: LayerShape, num_tokens: int, num_reqs: int, width: int, sms: int) -> Config:
+    """choose_config's rule; width: the block table's blocks per request."""
+    num_heads, head_dim, itemsize, page, kv_heads = shape
     group = num_heads // kv_heads
-    wide = max(head_dim, 128) * q.element_size()  # bytes of one K row, at least 256
+    wide = max(head_dim, 128) * itemsize  # bytes of one K row, at least 256
     if num_tokens <= _SHORT_QUERY * num_reqs:
         block_q = min(triton.next_power_of_2(triton.cdiv(num_tokens, num_reqs)), _SHORT_QUERY)
         block_n = max(16, 8192 // wide)  # 8 KiB K tiles: ~5 programs per SM hide latency
         programs = _num_tiles(num_tokens, num_reqs, block_q) * kv_heads
         # at the longest context the block table holds, each part still spans 4 KV tiles
-        most = block_table.shape[1] * k_cache.shape[1] // (4 * block_n)
-        splits = _splits(programs, num_sms(q.device, 8), most)
+        most = width * page // (4 * block_n)
+        splits = _splits(programs, sms, most)
         block_m = max(16, triton.next_power_of_2(block_q * group))
         return Config(block_q, block_m, block_n, splits, num_warps=4, num_stages=5)
-    if q.element_size() > 2:  # float32 dots run on FMA units: sized to fit, not tuned
+    if itemsize > 2:  # float32 dots run on FMA units: sized to fit, not tuned
         block_m, block_n, num_warps, num_stages = 64, 16, 4, 3
     elif wide == 256:  # head_dim <= 128: fastest of the H100 sweep for 8 x 512 and 1 x 4096
         block_m, block_n, num_warps, num_stages = 64, 64, 4, 2
@@ -306,6 +354,26 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
     block_q = max(1, block_m // group)
     block_m = max(block_m, triton.next_power_of_2(group))
     return Config(block_q, block_m, block_n, 1, num_warps, num_stages)
+
+
+def launch_classes(
+    shape: LayerShape, width: int, sms: int, max_reqs: int, max_tokens: int
+) -> list[tuple[int, int]]:
+    """One batch (num_tokens, num_reqs) for each compiled attention kernel that steps of up to
+    max_reqs requests and max_tokens tokens can launch: every tile height of short queries,
+    with a split KV and without where the sizes reach them, and the long-query launch.
+    Splits of any count >= 2 share one kernel (merged in it or combined after), so a warm-up
+    that runs these batches eagerly compiles all an eager step can need."""
+    classes: dict[Config, tuple[int, int]] = {}
+    counts = {min(1 << i, max_reqs) for i in range(max_reqs.bit_length() + 1)}
+    for per in (1, 2, 4, _SHORT_QUERY, 2 * _SHORT_QUERY):
+        fullest = max(1, min(max_reqs, max_tokens // per))  # the most programs at this length
+        for reqs in sorted(counts | {fullest}):
+            if reqs * per <= max_tokens:
+                config = _config(shape, reqs * per, reqs, width, sms)
+                kernel = config._replace(splits=min(config.splits, 2))
+                classes.setdefault(kernel, (reqs * per, reqs))
+    return list(classes.values())
 
 
 # Programs per SM a split KV aims for. The H100 decode sweep (bench_kernels decode-sweep,
@@ -404,7 +472,6 @@ class PagedAttention:
                 PAGE=page,
                 SPLIT=split,
                 MERGE=merge,
-                SPLITS=cfg.splits if merge else 1,  # a variant per split count only to merge
                 REQ_CHUNK=128,
                 PRECISION=_precision(q.dtype),
                 PDL=pdl["PDL"],

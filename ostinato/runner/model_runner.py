@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -132,6 +133,30 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         if self.graphs.mode is not CudaGraphMode.NONE:
             self.graphs.capture(self._forward_desc, self._fill_dummy_desc, self._graph_inputs)
+        if self.config.is_cuda and not self.graphs.lazy:
+            self._compile_eager_kernels()
+
+    def _compile_eager_kernels(self) -> None:
+        """Run the attention backend's warm-up batches eagerly, once: their kernels compile
+        now, not in the middle of a step that every running request waits for. Lazy capture
+        pays first uses when they come, compiles included, and skips this."""
+        c = self.hf_config
+        k_cache = next(kv for kv in self.kv_caches if kv is not None)[0]
+        batches = self.backend.warm_up_batches(
+            c.num_attention_heads // self.rank.tp_size,
+            k_cache,
+            self.buffers.device["block_table"].shape[1],
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+        )
+        start = time.perf_counter()
+        for num_tokens, num_reqs in batches:
+            self.buffers.load(self._dummy(num_tokens, num_reqs))
+            self._forward(num_tokens, num_reqs)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "eager kernels: %d warm-up batches in %.2f s", len(batches), time.perf_counter() - start
+        )
 
     def close(self) -> None:
         """Give back every device allocation: graphs and their pool, KV cache, persistent
