@@ -125,6 +125,7 @@ class ModelRunner:
         self.kv_caches: list = []
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
+        self.warm_up_seconds = 0.0  # start-up's eager warm-up batches (_compile_eager_kernels)
         self.num_blocks = self._count_kv_blocks()
 
     def start(self, num_blocks: int | None = None) -> None:
@@ -154,9 +155,8 @@ class ModelRunner:
             self.buffers.load(self._dummy(num_tokens, num_reqs))
             self._forward(num_tokens, num_reqs)
         torch.cuda.synchronize(self.device)
-        logger.info(
-            "eager kernels: %d warm-up batches in %.2f s", len(batches), time.perf_counter() - start
-        )
+        self.warm_up_seconds = time.perf_counter() - start
+        logger.info("eager warm-up: %d batches in %.2f s", len(batches), self.warm_up_seconds)
 
     def close(self) -> None:
         """Give back every device allocation: graphs and their pool, KV cache, persistent
@@ -397,8 +397,13 @@ class ModelRunner:
                 )
 
     def graph_report(self) -> dict:
-        """The graph runtime's report, with the bytes the KV sizing left for graphs."""
-        return {**self.graphs.report(), "graph_memory_budget_bytes": self.graph_memory_budget}
+        """The graph runtime's report, with the bytes the KV sizing left for graphs and the
+        seconds start-up spent compiling eager steps' kernels."""
+        return {
+            **self.graphs.report(),
+            "graph_memory_budget_bytes": self.graph_memory_budget,
+            "eager_warm_up_seconds": self.warm_up_seconds,
+        }
 
     def _run_dummy(self, num_tokens: int) -> None:
         """Profile a peak step: forward (through every adapter slot with LoRA), and on the last
