@@ -345,3 +345,37 @@ def close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scal
     """actual equals expected (float64) within dtype's kernel tolerance, times scale."""
     tol = KERNEL_TOL[dtype] * scale
     torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
+
+
+FENCE = 256  # NaN elements on each side of a fenced tensor
+
+
+def nan_fenced(t: torch.Tensor, row_stride: int | None = None) -> torch.Tensor:
+    """A copy of t (floating point, FP8 included) in memory of NaNs: FENCE of them before its
+    first element and after its last, and with row_stride (t 2-d) its rows that many elements
+    apart, NaNs between them. A kernel that reads outside the tensor (past its end, before
+    its start, past a row's last column) then gets NaN, and its output shows it wherever the
+    value reaches it (times a zero weight included): the CPU interpreter reads the real memory
+    there, where the GPU reads whatever lies there."""
+    if row_stride is None:
+        rows, width = 1, t.numel()
+    else:
+        assert t.dim() == 2 and row_stride >= t.shape[1]
+        rows, width = t.shape[0], row_stride
+    memory = torch.full((2 * FENCE + rows * width,), float("nan"), dtype=t.dtype)
+    inside = memory[FENCE : FENCE + rows * width]
+    if row_stride is None:
+        inside = inside.view(t.shape)
+    else:
+        inside = inside.view(rows, width)[:, : t.shape[1]]
+    inside.copy_(t)
+    return inside
+
+
+def fence_intact(t: torch.Tensor) -> bool:
+    """Whether nothing was written outside a nan_fenced tensor: the rest of its memory (the
+    fences, the gaps between rows) is still all NaN."""
+    memory = t.new_empty(0).set_(t.untyped_storage())  # the whole allocation, flat
+    outside = torch.ones(memory.shape, dtype=torch.bool)
+    outside.as_strided(t.shape, t.stride(), t.storage_offset()).fill_(False)
+    return bool(memory.float()[outside].isnan().all())

@@ -1,11 +1,13 @@
 """The small-batch projection kernel (kernels/gemv.py) under TRITON_INTERPRET=1: one row by
 FMAs, 2 rows and more by tl.dot (K split over programs where the interpreter's 4 SMs ask for it),
-with every fusion, against float64 math written here; and the row limits the engine follows."""
+with every fusion, against float64 math written here; and the row limits the engine follows.
+Every input lies among NaNs (helpers.nan_fenced; matrices with a gap after each row), so a read
+outside a tensor turns the output NaN."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import close
+from helpers import close, nan_fenced
 
 from ostinato.kernels import gemv as gemv_module
 from ostinato.kernels.gemv import (
@@ -45,9 +47,9 @@ def test_gemv_matches_linear(rows, silu, bias, dtype):
     a K that is no multiple of any chunk (the tl.dot rows split it in four) and an N no
     multiple of the columns per program; x a view with a row stride of its own."""
     k, n = 1100, 2 * 37
-    x = torch.randn(rows, k + 3)[:, :k].to(dtype)
-    weight = (torch.randn(n, k) * 0.05).to(dtype)
-    b = (torch.randn(n) * 0.1).to(dtype) if bias else None
+    x = nan_fenced(torch.randn(rows, k).to(dtype), k + 3)
+    weight = nan_fenced((torch.randn(n, k) * 0.05).to(dtype), k + 1)
+    b = nan_fenced((torch.randn(n) * 0.1).to(dtype)) if bias else None
     out = gemv(x, weight, b, silu_and_mul=silu)
     assert out.shape == (rows, n // 2 if silu else n)
     y = x.double() @ weight.double().T + (b.double() if bias else 0)
@@ -66,12 +68,11 @@ def test_gemv_normed_is_norm_then_projection(rows, silu, with_residual, dtype):
     row, and four splits of the tl.dot rows (whose sums of squares are split with them). x
     is a view with a row stride of its own; the stream a new contiguous tensor."""
     k, n = 1100, 2 * 37
-    x = torch.randn(rows, k).to(dtype)
-    x = torch.cat([x, x[:, :5]], 1)[:, :k]  # the same values, rows k + 5 apart
-    residual = torch.randn(rows, k).to(dtype) if with_residual else None
-    norm_w = (torch.rand(k) + 0.5).to(dtype)
-    weight = (torch.randn(n, k) * 0.05).to(dtype)
-    b = (torch.randn(n) * 0.1).to(dtype)
+    x = nan_fenced(torch.randn(rows, k).to(dtype), k + 5)  # rows k + 5 apart
+    residual = nan_fenced(torch.randn(rows, k).to(dtype)) if with_residual else None
+    norm_w = nan_fenced((torch.rand(k) + 0.5).to(dtype))
+    weight = nan_fenced((torch.randn(n, k) * 0.05).to(dtype), k + 1)
+    b = nan_fenced((torch.randn(n) * 0.1).to(dtype))
     x_before = x.clone()
     out, stream = gemv_normed(x, residual, norm_w, 1e-6, weight, b, silu)
     assert torch.equal(x, x_before)
@@ -96,9 +97,9 @@ def test_gemv_adds_the_residual_in_its_epilogue(rows, silu, dtype):
     """y = x @ W.T (+ silu) + residual into a new tensor, the residual only read; odd K and N
     (K = 333: one split)."""
     k, n = 333, 2 * 19
-    x = torch.randn(rows, k).to(dtype)
-    weight = (torch.randn(n, k) * 0.05).to(dtype)
-    residual = torch.randn(rows, n // 2 if silu else n).to(dtype)
+    x = nan_fenced(torch.randn(rows, k).to(dtype))
+    weight = nan_fenced((torch.randn(n, k) * 0.05).to(dtype), k + 1)
+    residual = nan_fenced(torch.randn(rows, n // 2 if silu else n).to(dtype))
     before = residual.clone()
     out = gemv(x, weight, silu_and_mul=silu, add=residual)
     assert torch.equal(residual, before) and out.data_ptr() != residual.data_ptr()
@@ -121,13 +122,13 @@ def test_gemv_dot_configurations_with_every_fusion(rows, n_out, k, config, dtype
     """The tl.dot kernel in configurations a benchmark may ask for, all fusions at once: the
     fused add + norm with a bias and SiLU-and-mul (the stream stored over every split and row
     block), then a residual epilogue; twice, so the split counts are back at 0 after a call."""
-    x = torch.randn(rows, k).to(dtype)
-    residual = torch.randn(rows, k).to(dtype)
-    norm_w = (torch.rand(k) + 0.5).to(dtype)
-    gate_up = (torch.randn(2 * n_out, k) * 0.05).to(dtype)
-    b = (torch.randn(2 * n_out) * 0.1).to(dtype)
-    down = (torch.randn(n_out, n_out) * 0.1).to(dtype)
-    add = torch.randn(rows, n_out).to(dtype)
+    x = nan_fenced(torch.randn(rows, k).to(dtype))
+    residual = nan_fenced(torch.randn(rows, k).to(dtype))
+    norm_w = nan_fenced((torch.rand(k) + 0.5).to(dtype))
+    gate_up = nan_fenced((torch.randn(2 * n_out, k) * 0.05).to(dtype), k + 1)
+    b = nan_fenced((torch.randn(2 * n_out) * 0.1).to(dtype))
+    down = nan_fenced((torch.randn(n_out, n_out) * 0.1).to(dtype), n_out + 1)
+    add = nan_fenced(torch.randn(rows, n_out).to(dtype))
     s = x.double() + residual.double()
     act_64 = silu_64(normed_64(s, norm_w) @ gate_up.double().T + b.double())
     for _ in range(2):

@@ -1,5 +1,7 @@
 """The Triton kernels under TRITON_INTERPRET=1 on small shapes, against their torch versions and
-a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails."""
+a float64 reference. Outputs start as NaN so an element the kernel forgets to write fails; inputs
+lie among NaNs (helpers.nan_fenced), so a read outside a tensor turns the output NaN, and the
+tensors written in place keep their fences, so a write outside them fails too."""
 
 import copy
 import functools
@@ -9,7 +11,7 @@ import types
 import pytest
 import torch
 import triton.language as tl
-from helpers import close
+from helpers import close, fence_intact, nan_fenced
 from triton.runtime.jit import JITFunction
 
 from ostinato.attention.torch_backend import TorchAttentionBackend
@@ -100,23 +102,23 @@ def rms_norm_64(x, weight, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_rows_and_strided_heads(dtype):
-    x = (torch.randn(5, 96) * 3 + 1).to(dtype)  # 96: a row narrower than its block
-    weight = (torch.rand(96) + 0.5).to(dtype)
+    x = nan_fenced((torch.randn(5, 96) * 3 + 1).to(dtype), 100)  # 96: narrower than its block
+    weight = nan_fenced((torch.rand(96) + 0.5).to(dtype))
     out = rms_norm(x, weight, 1e-6)
     close(out, rms_norm_torch(x, weight, 1e-6), dtype)
     close(out, rms_norm_64(x, weight, 1e-6), dtype)
     # per-head norm on q viewed out of a fused qkv row (Qwen3's q_norm)
-    qkv = torch.randn(4, 7 * 32).to(dtype)
+    qkv = nan_fenced(torch.randn(4, 7 * 32).to(dtype))
     q = qkv[:, : 5 * 32].view(4, 5, 32)
-    head_weight = (torch.rand(32) + 0.5).to(dtype)
+    head_weight = nan_fenced((torch.rand(32) + 0.5).to(dtype))
     out = rms_norm(q, head_weight, 1e-5)
     close(out, rms_norm_64(q, head_weight, 1e-5), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_in_place(dtype):
-    x, residual = torch.randn(6, 200).to(dtype), torch.randn(6, 200).to(dtype)
-    weight = (torch.rand(200) + 0.5).to(dtype)
+    x, residual = (nan_fenced(torch.randn(6, 200).to(dtype)) for _ in "xr")
+    weight = nan_fenced((torch.rand(200) + 0.5).to(dtype))
     expected_x, expected_res = x.clone(), residual.clone()
     fused_add_rms_norm_torch(expected_x, expected_res, weight, 1e-6)
     reference_res = x.double() + residual.double()
@@ -125,6 +127,7 @@ def test_fused_add_rms_norm_in_place(dtype):
     close(x, expected_x, dtype)
     close(residual, reference_res, dtype)
     close(x, rms_norm_64(reference_res, weight, 1e-6), dtype)
+    assert fence_intact(x) and fence_intact(residual)
 
 
 def cos_sin_cache(head_dim, max_position, theta=10000.0):
@@ -145,7 +148,7 @@ def rotary_64(x, positions, cache):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7, 160), (2, 3, 2600)])  # 1300 > one 1024-wide block
 def test_silu_and_mul(dtype, shape):
-    x = (torch.randn(shape) * 3).to(dtype)
+    x = nan_fenced((torch.randn(shape) * 3).to(dtype))
     out = silu_and_mul(x)
     gate, up = x.double().chunk(2, dim=-1)
     close(out, silu_and_mul_torch(x), dtype)
@@ -205,13 +208,13 @@ def attention_64(q, k, v, scale):
 
 def make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, dtype, pad_tokens=0, block_size=16):
     """Requests get shuffled blocks; one spare column per block-table row and every unused entry
-    point at an all-NaN block."""
+    point at an all-NaN block; q and the caches lie among NaNs."""
     used = [-(-s // block_size) for s in seq_lens]
     poison = sum(used)
     order = torch.randperm(poison).tolist()
     table = torch.full((len(seq_lens), max(used) + 1), poison, dtype=torch.int32)
     shape = (poison + 1, block_size, kv_heads, head_dim)
-    k_cache, v_cache = torch.full(shape, NAN, dtype=dtype), torch.full(shape, NAN, dtype=dtype)
+    k_cache, v_cache = (nan_fenced(torch.full(shape, NAN, dtype=dtype)) for _ in "kv")
     slots = []
     for i, (n, s) in enumerate(zip(used, seq_lens, strict=True)):
         table[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
@@ -225,7 +228,7 @@ def make_batch(q_lens, seq_lens, heads, kv_heads, head_dim, dtype, pad_tokens=0,
             dtype
         )
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = torch.randn(sum(q_lens) + pad_tokens, heads, head_dim).to(dtype)
+    q = nan_fenced(torch.randn(sum(q_lens) + pad_tokens, heads, head_dim).to(dtype))
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     return Batch(q, k_cache, v_cache, query_start_loc, seq_lens, table, slots)
 
@@ -237,7 +240,7 @@ MIXED_SEQ = [25, 17, 40, 1, 37, 100, 0]
 
 
 def run_attention(batch, config=None, merge=False):
-    out = torch.full(batch.q.shape, NAN, dtype=batch.q.dtype)
+    out = nan_fenced(torch.full(batch.q.shape, NAN, dtype=batch.q.dtype))
     scale = batch.q.shape[-1] ** -0.5
     if config is None and not merge:
         paged_attention(*batch.args(out), scale)
@@ -256,7 +259,7 @@ def check_attention(batch, out, scale, dtype):
     paged_attention_torch(*batch.args(expected), scale)
     reference = batch.reference_64(scale)
     assert not out[:real].isnan().any()
-    assert out[real:].isnan().all(), "a padding token's row was written"
+    assert out[real:].isnan().all() and fence_intact(out), "a padding token's row was written"
     close(out[:real], reference[:real], dtype, scale=10)
     close(out[:real], expected[:real], dtype, scale=10)
 
@@ -565,20 +568,21 @@ def test_triton36_launches_skip_the_launchers_python(monkeypatch):
 
 class RopeCase:
     """q, k, v as views of a fused qkv projection, as the model splits them; NaN caches; slots
-    with -1 (padding) among them; Qwen3-style norm weights."""
+    with -1 (padding) among them; Qwen3-style norm weights. Every tensor among NaNs."""
 
     def __init__(self, tokens, heads, kv_heads, head_dim, dtype, blocks=6, page=16):
         width = (heads + 2 * kv_heads) * head_dim
-        self.qkv = (torch.randn(tokens, width) * 3 + 1).to(dtype)
+        self.qkv = nan_fenced((torch.randn(tokens, width) * 3 + 1).to(dtype))
         q, k, v = self.qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], 1)
         self.q = q.view(tokens, heads, head_dim)
         self.k = k.view(tokens, kv_heads, head_dim)
         self.v = v.view(tokens, kv_heads, head_dim)
-        self.weights = [(torch.rand(head_dim) + 0.5).to(dtype) for _ in "qk"]
+        self.weights = [nan_fenced((torch.rand(head_dim) + 0.5).to(dtype)) for _ in "qk"]
         self.positions = torch.randint(0, 4096, (tokens,))
-        self.cache = cos_sin_cache(head_dim, 4096)
+        self.positions[0] = 4095  # the table's last row
+        self.cache = nan_fenced(cos_sin_cache(head_dim, 4096))
         shape = (blocks, page, kv_heads, head_dim)
-        self.caches = [torch.full(shape, NAN, dtype=dtype) for _ in "kv"]
+        self.caches = [nan_fenced(torch.full(shape, NAN, dtype=dtype)) for _ in "kv"]
         self.slots = torch.randperm(blocks * page)[:tokens]
         self.slots[:: max(1, tokens // 3)] = -1
 
@@ -597,12 +601,14 @@ class RopeCase:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("group, head_dim", [(1, 64), (2, 128), (8, 64), (3, 32)])
-def test_rope_and_store(group, head_dim, norm, dtype):
+@pytest.mark.parametrize(
+    "group, kv_heads, head_dim", [(1, 2, 64), (2, 2, 128), (8, 2, 64), (3, 2, 32), (2, 3, 96)]
+)  # 2 x 3 + 3 heads and a half of 48: tiles padded past both
+def test_rope_and_store(group, kv_heads, head_dim, norm, dtype):
     """q and k rotated in place (after per-head RMSNorm with `norm`), k and v stored at their
     slots and nowhere else, v itself untouched: against the unfused torch sequence and a
     float64 reference."""
-    case = RopeCase(9, 2 * group, 2, head_dim, dtype)
+    case = RopeCase(9, kv_heads * group, kv_heads, head_dim, dtype)
     twin = case.clone()
     v_before = case.v.clone()
     q_in, k_in = case.q.clone(), case.k.clone()
@@ -624,6 +630,7 @@ def test_rope_and_store(group, head_dim, norm, dtype):
     assert torch.equal(case.caches[1].flatten(0, 1)[stored], v_before[case.slots >= 0])
     k_rows = case.caches[0].flatten(0, 1)
     assert (~k_rows.isnan()).flatten(1).all(1).sum() == len(stored)
+    assert all(fence_intact(t) for t in (case.qkv, *case.caches))
 
 
 @pytest.mark.parametrize("in_one_step", [False, True])

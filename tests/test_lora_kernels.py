@@ -1,10 +1,12 @@
 """The batched LoRA kernels under TRITON_INTERPRET=1 against their torch versions and a float64
 per-token reference: mixed adapters, tokens with none, ranks below the slot size, a shard the
-adapter leaves alone, split K, and padded groups."""
+adapter leaves alone, split K, and padded groups. The float tensors lie among NaNs
+(helpers.nan_fenced), so a read outside one turns the output NaN, and a write outside y fails."""
 
 import numpy as np
 import pytest
 import torch
+from helpers import fence_intact, nan_fenced
 
 from ostinato.context import LoRAMetadata
 from ostinato.kernels import dispatch
@@ -44,7 +46,7 @@ def adapters(slots, shard_sizes, k, rank_max, ranks, dtype):
             a[s, h * rank_max : h * rank_max + r] = torch.randn(r, k) / k**0.5
             b[s, offsets[h] : offsets[h + 1], :r] = torch.randn(shard_sizes[h], r)
     rank_tensor = torch.tensor(ranks, dtype=torch.int32)
-    return a.to(dtype), b.to(dtype), rank_tensor, tuple(offsets)
+    return nan_fenced(a.to(dtype)), nan_fenced(b.to(dtype)), rank_tensor, tuple(offsets)
 
 
 def reference_64(x, y, a, b, token_slots, offsets, rank_max):
@@ -76,7 +78,7 @@ def test_shrink_expand_match_torch_and_reference(
     token_slots = torch.randint(-1, slots, (num_tokens,)).tolist()
     token_slots[0], token_slots[-1] = -1, 1
     meta = metadata(token_slots, num_active=4)  # more groups than adapters: padded ones
-    x = torch.randn(num_tokens, k).to(dtype)
+    x = nan_fenced(torch.randn(num_tokens, k).to(dtype), k + 3)
     y = torch.randn(num_tokens, sum(shard_sizes)).to(dtype)
     expected = reference_64(x, y, a, b, token_slots, offsets, rank_max)
 
@@ -84,8 +86,9 @@ def test_shrink_expand_match_torch_and_reference(
     lora_expand_torch(lora_shrink_torch(x, a, rank_tensor, meta), b, rank_tensor, offsets,
                       y_torch, meta)  # fmt: skip
     partials = lora_shrink(x, a, rank_tensor, meta)
-    y_triton = y.clone()
+    y_triton = nan_fenced(y, y.shape[1] + 3)
     lora_expand(partials, b, rank_tensor, offsets, y_triton, meta)
+    assert fence_intact(y_triton)
 
     tol = TOL[dtype]
     for got in (y_torch, y_triton):

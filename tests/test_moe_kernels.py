@@ -1,8 +1,11 @@
 """The fused MoE kernel (Triton under the interpreter) and its torch twin against float64 math
-written here: each token's top-k experts, weighted and summed; choices to -1 add nothing."""
+written here: each token's top-k experts, weighted and summed; choices to -1 add nothing. The
+float inputs lie among NaNs (helpers.nan_fenced; x with a gap after each row), so a read outside
+a tensor turns the output NaN."""
 
 import pytest
 import torch
+from helpers import nan_fenced
 
 from ostinato.kernels import moe
 from ostinato.kernels.dispatch import SPLIT_COUNTS
@@ -42,7 +45,13 @@ def problem(tokens, experts, top_k, hidden, inter, seed=0, padded=0):
     weights, ids = scores.topk(top_k, dim=-1)
     ids = ids.to(torch.int32)
     ids[tokens - padded :] = -1  # padded tokens route nowhere
-    return x, w13, w2, ids, weights
+    return fenced(x, w13, w2, ids, weights)
+
+
+def fenced(x, w13, w2, ids, weights):
+    """The float inputs among NaNs, x's rows with a gap between them."""
+    x = nan_fenced(x, x.shape[1] + 3)
+    return x, nan_fenced(w13), nan_fenced(w2), ids, nan_fenced(weights)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +126,7 @@ def crowded(dtype):
     ids = torch.tensor(
         [[1, 0, 2], [1, 3, 4], [1, 2, 0], [1, 4, 3], [-1, -1, -1]], dtype=torch.int32
     )
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights
+    return fenced(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
 @pytest.mark.parametrize(
@@ -190,7 +199,7 @@ def summing_problem(top_k, dtype):
     ids = torch.stack([torch.cat([torch.tensor([4]), o]) for o in others]).to(torch.int32)
     ids[2, 1:] = -1
     ids[4] = -1
-    return x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights
+    return fenced(x.to(dtype), w13.to(dtype), w2.to(dtype), ids, weights)
 
 
 def summed_down(h, w2, ids, weights):
@@ -214,10 +223,10 @@ def test_the_down_gemm_sums_each_tokens_choices(monkeypatch, config, top_k, dtyp
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     _, _, w2, ids, weights = summing_problem(top_k, dtype)
     h = torch.randn(ids.numel(), w2.shape[2], generator=torch.Generator().manual_seed(7))
-    h = h.to(dtype)
+    h = nan_fenced(h.to(dtype), w2.shape[2] + 3)
     want = summed_down(h, w2, ids, weights)
     sorted_ids, block_experts = align(ids, 10, config.block_m)
-    flat = weights.reshape(-1).float().contiguous()
+    flat = nan_fenced(weights.reshape(-1).float())
     outs = []
     for _ in range(2):
         out = torch.full((6, w2.shape[1]), float("nan"), dtype=dtype)
@@ -275,6 +284,7 @@ def test_route_and_align_in_one_program(monkeypatch, dtype, top_k, renormalize, 
     monkeypatch.setattr(moe, "ROUTE_TILE", route_tile)
     logits = (torch.randn(7, 12, generator=torch.Generator().manual_seed(8)) * 3).to(dtype)
     logits[1, 3] = logits[1, 7] = logits[1].max() + 1  # a tie for the first choice
+    logits = nan_fenced(logits, 13)
     slots = torch.tensor([5, 9, -1, 2, 11, 12, -1])
     weights, ids, (sorted_ids, block_experts) = moe.route_and_align(
         logits, top_k, renormalize, slots, block_m
@@ -301,7 +311,7 @@ def test_routed_moe_equals_float64_math(monkeypatch, tokens, top_k):
     GEMM) against float64 routing and experts written here; padded tokens add nothing."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     x, w13, w2, _, _ = problem(tokens, 6, top_k, 48, 40, seed=9)
-    logits = torch.randn(tokens, 6, generator=torch.Generator().manual_seed(10))
+    logits = nan_fenced(torch.randn(tokens, 6, generator=torch.Generator().manual_seed(10)), 7)
     slots = torch.arange(tokens)
     slots[-1] = -1
     got = moe.routed_moe(x, logits, w13, w2, top_k, True, slots)

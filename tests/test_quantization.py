@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from helpers import make_hf_checkpoint
+from helpers import make_hf_checkpoint, nan_fenced
 from oracle import oracle_prompts, run_ostinato
 
 from ostinato import LLM
@@ -99,12 +99,14 @@ def test_fp8_linear_equals_float64_math(monkeypatch, path, rows, blockwise):
         q, scale = quantize_blocks(w)
     else:
         q, scale = quantize_rows(w)
+    # among NaNs, a gap after each row: a read past a row or the end turns the output NaN
+    scale = nan_fenced(scale, scale.shape[1] + 1)
     block = (128, 128) if blockwise else None
     want = float64_linear(x, q, scale, 128 if blockwise else None)
     # the interpreter's tl.dot mishandles bfloat16: the GEMM's bfloat16 runs in tests/gpu
     dtypes = ((torch.float32, 1e-5),) + (() if path == "triton" else ((torch.bfloat16, 2**-7),))
     for dtype, tol in dtypes:
-        got = fp8_linear(x.to(dtype), q, scale, block=block).double()
+        got = fp8_linear(nan_fenced(x.to(dtype), 256 + 8), q, scale, block=block).double()
         exact = float64_linear(x.to(dtype), q, scale, 128 if blockwise else None)
         # within the rounding of the output dtype, relative to the output's size
         torch.testing.assert_close(got, exact, rtol=tol, atol=tol * want.abs().max().item())
@@ -125,8 +127,8 @@ def test_fp8_linear_equals_float64_math(monkeypatch, path, rows, blockwise):
 def test_fp8_gemv_equals_float64_math(monkeypatch, rows, n, k, block):
     """The small-batch kernel (up to GEMV_ROWS rows) on FP8 weights of every magnitude
     (subnormals included) and random scales, one per row or per block, against x @ (w *
-    scale).T in float64; x a view with a row stride of its own. The tl.dot rows weight-only
-    (FP8_DOT_ROWS 0: the bfloat16 dot on widened weights)."""
+    scale).T in float64; x a view with a row stride of its own (NaNs between its rows). The
+    tl.dot rows weight-only (FP8_DOT_ROWS 0: the bfloat16 dot on widened weights)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fp8, "FP8_DOT_ROWS", 0)
     assert rows <= GEMV_ROWS
@@ -134,35 +136,32 @@ def test_fp8_gemv_equals_float64_math(monkeypatch, rows, n, k, block):
     x = torch.randn(rows, k + 5, generator=g)[:, :k]
     q, scale, expanded = random_fp8_weights(n, k, block, g)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2**-7)):
-        want = x.to(dtype).double() @ (q.double() * expanded).T
-        got = fp8_linear(x.to(dtype), q, scale, block=block)
+        x = nan_fenced(x.to(dtype), k + 5)
+        want = x.double() @ (q.double() * expanded).T
+        got = fp8_linear(x, q, scale, block=block)
         assert got.dtype == dtype and got.shape == (rows, n)
         # within the output dtype's rounding, relative to the output's size
         size = want.abs().max().item()
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * size)
-        again = fp8_linear(x.to(dtype), q, scale, block=block)  # a split leaves its counts at 0
+        again = fp8_linear(x, q, scale, block=block)  # a split leaves its counts at 0
         torch.testing.assert_close(again, got, rtol=0, atol=0)
 
 
 def random_fp8_weights(n: int, k: int, block: tuple[int, int] | None, g: torch.Generator):
     """FP8 weights of every magnitude (2^-12 .. 2^8, subnormals included), random scales (one
-    per row or per block), and the scales expanded to [n, k] in float64."""
+    per row or per block), and the scales expanded to [n, k] in float64. The scales lie among
+    NaNs (nan_fenced), a gap after each row, so a read past a row's last column (a chunk of K
+    past the last scale column, say) or past the end turns the output NaN. (Not the weights:
+    the interpreter reads FP8's NaN byte as 480, which a zero x hides.)"""
     magnitudes = 2.0 ** (torch.rand(n, k, generator=g) * 20 - 12)
     q = (torch.randn(n, k, generator=g) * magnitudes).clamp(-448, 448).to(torch.float8_e4m3fn)
     if block is None:
-        scale = torch.rand(n, 1, generator=g) + 0.5
+        scale = nan_fenced(torch.rand(n, 1, generator=g) + 0.5)
         return q, scale, scale.double()
-    scale = nan_tailed(torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5)
+    scale = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) + 0.5
+    scale = nan_fenced(scale, scale.shape[1] + 1)
     expanded = scale.double().repeat_interleave(block[0], 0)[:n]
     return q, scale, expanded.repeat_interleave(block[1], 1)[:, :k]
-
-
-def nan_tailed(t: torch.Tensor) -> torch.Tensor:
-    """t in memory followed by NaNs: a kernel that reads past its end (a chunk of K past the
-    last scale column, say) turns its output NaN, not right by the luck of what lies there."""
-    memory = torch.full((t.numel() + 256,), float("nan"), dtype=t.dtype)
-    memory[: t.numel()] = t.flatten()
-    return memory[: t.numel()].view(t.shape)
 
 
 def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
@@ -182,11 +181,11 @@ def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
 def test_fp8_gemv_one_row_spans_past_k(monkeypatch, span, split):
     """One row, block-wise: a launch whose spans reach past K (520) has chunks with no weight
     columns; they add nothing and read no scale past the last column (the scales are
-    followed by NaNs)."""
+    fenced by NaNs)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(span)
     n, k, block = 130, 520, (64, 64)
-    x = torch.randn(1, k, generator=g)
+    x = nan_fenced(torch.randn(1, k, generator=g))
     q, scale, expanded = random_fp8_weights(n, k, block, g)
     config = fp8.gemv_config(1, n, k, block, 4, torch.float32)._replace(span=span, split=split)
     got = fp8_gemv(x, q, scale, block, config)
@@ -218,12 +217,12 @@ def test_fp8_dot_rows_equal_float64_math_of_x_quantised_per_group(
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fp8, "FP8_DOT_ROWS", fp8.GEMV_ROWS)
     g = torch.Generator().manual_seed(rows * n + k)
-    x = torch.randn(rows, k + 5, generator=g)[:, :k] * 3
+    x = nan_fenced(torch.randn(rows, k + 5, generator=g)[:, :k] * 3, k + 5)
     q, scale, expanded = random_fp8_weights(n, k, block, g)
     group = 128 if block is None else min(128, block[1])
-    bias = torch.randn(n, generator=g).bfloat16()
+    bias = nan_fenced(torch.randn(n, generator=g).bfloat16())
     assert fp8.gemv_config(rows, n, k, block, 4, torch.bfloat16).fp8_x
-    got = fp8_linear(x.bfloat16(), q, scale, bias, block=block)
+    got = fp8_linear(nan_fenced(x.bfloat16(), k + 5), q, scale, bias, block=block)
     want = grouped_x(x.bfloat16(), group) @ (q.double() * expanded).T + bias.double()
     size = want.abs().max().item()
     torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=2**-7 * size)

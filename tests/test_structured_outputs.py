@@ -11,6 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from helpers import fence_intact, nan_fenced
 from llguidance import LLExecutor
 
 from ostinato import LLM, SamplingParams
@@ -56,7 +57,8 @@ def _allowed(row: np.ndarray) -> set[int]:
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_apply_token_bitmask_matches_a_bit_by_bit_reference(monkeypatch, path):
     """Rows 1, 2 and 4 of 5 constrained, by a mask as wide as a 40-id tokenizer (two words)
-    under a 77-id model; the Triton kernel runs interpreted on the CPU."""
+    under a 77-id model; the Triton kernel runs interpreted on the CPU. The logits lie among
+    NaNs, a gap after each row, which no write reaches (helpers.fence_intact)."""
     if path == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
@@ -78,9 +80,9 @@ def test_apply_token_bitmask_matches_a_bit_by_bit_reference(monkeypatch, path):
         for i in range(vocab):
             if i >= tokenizer_vocab or not (int(words[k, i // 32]) >> (i % 32)) & 1:
                 want[r, i] = -math.inf
-    got = logits.clone()
+    got = nan_fenced(logits, vocab + 3)
     apply_token_bitmask(got, torch.tensor(rows, dtype=torch.int32), words.to(torch.int32))
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and fence_intact(got)
     assert torch.equal(got[2], torch.full((vocab,), -math.inf, dtype=torch.float64))
     assert torch.equal(got[4][:tokenizer_vocab], logits[4][:tokenizer_vocab])
     assert torch.equal(got[[0, 3]], logits[[0, 3]])  # unconstrained rows keep every token
