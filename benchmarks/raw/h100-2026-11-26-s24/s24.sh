@@ -51,4 +51,12 @@ tests3)  # every other GPU test file on n2, and the lazy-capture tests again (wa
   TESTS_S=560 gputests n2 $(ls tests/gpu/test_*.py | grep -v "test_kernels.py\|test_engine_graphs.py") \
     "tests/gpu/test_engine_graphs.py::test_lazy_capture_matches_eager_capture_token_for_token"
   ;;
+final)  # the final tree (n3): start-up cold then warm, GPU tests the review asked for, serving as in s23's call 7
+  for r in cold warm; do (cd .gpu/n3 && timeout 150 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"run\": \"$r\", |" | tee -a $OUT/startup.jsonl); done
+  TESTS_S=300 gputests n3 tests/gpu/test_warm_up.py tests/gpu/test_moe.py tests/gpu/test_fp8.py
+  (cd .gpu/n3 && timeout 240 python3 -m ostinato.cli bench serve --launch --model random:qwen3-0.6b --max-model-len 2048 \
+    --request-rate 8,32,inf --num-prompts 80 --input-len 512 --output-len 128 \
+    --len-spread 0.5 --logprobs 0 --json --server-log $OUT/serve.log 2>>$OUT/err.txt | tee -a $OUT/serve.jsonl | cut -c1-700)
+  ;;
 esac
