@@ -270,7 +270,8 @@ def _merge_parts(out_row, part_ptr, m_ptr, l_ptr, row, live, num_splits,
                  HEAD_DIM: tl.constexpr):  # fmt: skip
     """_merge_row for any split count: the live parts _MERGE_CHUNK at a time, rescaled to the
     running maximum (as attention's own softmax), so one compiled kernel serves every count.
-    Up to _MERGE_CHUNK parts it is _merge_row's arithmetic (the first chunk's rescale is by 0)."""
+    The same math as _merge_row (the first chunk's rescale is by 0); its sums run over 8 lanes
+    and, past 8 parts, in rounds, so the last bits may differ."""
     base = row * num_splits
     d = tl.arange(0, HEAD_DIM)
     m_run = float("-inf")
