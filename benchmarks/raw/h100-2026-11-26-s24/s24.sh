@@ -59,4 +59,7 @@ final)  # the final tree (n3): start-up cold then warm, GPU tests the review ask
     --request-rate 8,32,inf --num-prompts 80 --input-len 512 --output-len 128 \
     --len-spread 0.5 --logprobs 0 --json --server-log $OUT/serve.log 2>>$OUT/err.txt | tee -a $OUT/serve.jsonl | cut -c1-700)
   ;;
+compiles)  # exploratory: compiles after start-up with ngram speculation and with structured outputs (n3)
+  for k in spec structured; do (cd .gpu/n3 && timeout 200 python3 ../compiles.py $k 2>>$OUT/err.txt | tail -2 | tee -a $OUT/compiles.txt); done
+  ;;
 esac
