@@ -20,7 +20,7 @@ from ostinato.kernels.bitmask import apply_token_bitmask
 from ostinato.runner.step import SamplingRow
 from ostinato.sampling_params import StructuredOutputsParams
 from ostinato.structured import bitmask
-from ostinato.structured.bitmask import fill_bitmask
+from ostinato.structured.bitmask import TokenBitmask, fill_bitmask
 from ostinato.structured.grammar import GrammarCompiler
 from ostinato.tokenizer import ByteTokenizer
 
@@ -121,6 +121,20 @@ def test_fill_bitmask_lists_the_constrained_rows_plain_and_drafts(monkeypatch, p
     assert [_allowed(bits) for bits in mask.bits] == [want[r] for r in sorted(want)]
     assert matchers[3].validate_tokens([97]) == 1  # the drafts left the matcher where it was
     assert fill_bitmask(rows[:1], matchers[:1], 258, LLExecutor()) is None  # none constrained
+
+
+@pytest.mark.parametrize("num_rows", range(1, 10))
+def test_a_masks_rows_and_bits_start_16_bytes_apart_whatever_its_row_count(num_rows):
+    """The bitmask kernel compiles a variant per alignment of its pointers: the rows and the
+    bits sit at 16-byte offsets of one buffer (the device copy allocates it aligned) for any
+    row count, here with 9 words a row (a 258-token vocabulary), and neither overlaps."""
+    mask = TokenBitmask.for_rows(list(range(5, 5 + num_rows)), 9)
+    data = torch.from_numpy(mask.data)
+    rows, bits = mask.split(data)
+    bits.fill_(-1)
+    assert rows.tolist() == list(range(5, 5 + num_rows)) and bits.shape == (num_rows, 9)
+    assert mask.num_rows == num_rows and torch.equal(bits, torch.from_numpy(mask.bits))
+    assert rows.data_ptr() == data.data_ptr() and (bits.data_ptr() - data.data_ptr()) % 16 == 0
 
 
 def test_grammars_are_cached_and_bad_ones_name_the_problem():

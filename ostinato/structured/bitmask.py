@@ -25,26 +25,23 @@ class TokenBitmask:
     allowed, and logits rows not listed take any token. Both live in one buffer, `data`, so
     they reach the device in one copy."""
 
-    data: np.ndarray  # int32 [k * words + k]: bits, then rows
+    data: np.ndarray  # int32 [_bits_start(k) + k * words]: rows, padding, then bits
     words: int
+    num_rows: int
 
     @classmethod
     def for_rows(cls, rows: Sequence[int], words: int) -> TokenBitmask:
         """A mask of these logits rows, their bits still to be written."""
         k = len(rows)
-        data = np.empty(k * words + k, dtype=np.int32)
-        data[k * words :] = rows
-        return cls(data, words)
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.data) // (self.words + 1)
+        data = np.empty(_bits_start(k) + k * words, dtype=np.int32)
+        data[:k] = rows
+        return cls(data, words, k)
 
     def split(self, data: Any = None) -> tuple[Any, Any]:
         """(rows, bits) as views of `data` (default self.data; or its copy on a device)."""
         data = self.data if data is None else data
-        k, w = self.num_rows, self.words
-        return data[k * w :], data[: k * w].reshape(k, w)
+        k = self.num_rows
+        return data[:k], data[_bits_start(k) :].reshape(k, self.words)
 
     @property
     def rows(self) -> np.ndarray:
@@ -53,6 +50,13 @@ class TokenBitmask:
     @property
     def bits(self) -> np.ndarray:
         return self.split()[1]
+
+
+def _bits_start(num_rows: int) -> int:
+    """Where the bits begin: after the rows, at a 16-byte boundary. On the device both views
+    are then 16-byte aligned whatever the row count, so the bitmask kernel, which Triton
+    specialises on its pointers' alignment, compiles once, not once per alignment."""
+    return -(-num_rows // 4) * 4
 
 
 def fill_bitmask(
