@@ -62,4 +62,8 @@ final)  # the final tree (n3): start-up cold then warm, GPU tests the review ask
 compiles)  # exploratory: compiles after start-up with ngram speculation and with structured outputs (n3)
   for k in spec structured; do (cd .gpu/n3 && timeout 200 python3 ../compiles.py $k 2>>$OUT/err.txt | tail -2 | tee -a $OUT/compiles.txt); done
   ;;
+bitmask)  # the aligned token bitmask (n4): compiles after start-up with structured outputs; its GPU tests
+  (cd .gpu/n4 && timeout 200 python3 ../compiles.py structured 2>>$OUT/err.txt | tail -2 | tee -a $OUT/compiles.txt)
+  TESTS_S=300 gputests n4 tests/gpu/test_structured_gpu.py
+  ;;
 esac
