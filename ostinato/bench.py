@@ -396,7 +396,7 @@ def bench_startup(engine: LLMEngine, build_s: float, args, bandwidth: float | No
     capture pays for its graphs here instead of at start-up)."""
     report = engine.graph_report()
     capture_s, num_graphs = report["capture_seconds"], _num_graphs(report)
-    warm_up_s = report.get("eager_warm_up_seconds", 0.0)
+    warm_up_s = report["eager_warm_up_seconds"]
     ttft, request_s = _first_request(engine, _prompts(engine, 1, args.input_len)[0], args)
     after = engine.graph_report()
     return [

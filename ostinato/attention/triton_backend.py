@@ -17,8 +17,7 @@ from ostinato.attention.base import (
 )
 from ostinato.context import AttentionMetadata
 from ostinato.kernels import PagedAttention, variants
-from ostinato.kernels.dispatch import num_sms
-from ostinato.kernels.paged_attention import LayerShape, launch_classes
+from ostinato.kernels.paged_attention import LayerShape, attention_sms, launch_classes
 
 # Measured on the H100 (qwen3-0.6b, one prompt, the same process): 2,048 tokens 7.55 ms with
 # SDPA vs 7.41 without (the step is host-bound there), 4,096 13.9 vs 15.5, 8,192 33.5 vs 38.5.
@@ -50,9 +49,8 @@ class TritonAttentionBackend(AttentionBackend):
         warm-ups compile only what graphs launch; an eager step merges a split KV in its own
         kernel, which a step would otherwise compile on first use: about a second during which
         every request waits (the H100 host, benchmarks/h100-2026-11-26-s24.md)."""
-        page, kv_heads, head_dim = k_cache.shape[1:]
-        shape = LayerShape(num_heads, head_dim, k_cache.element_size(), page, kv_heads)
-        return launch_classes(shape, width, num_sms(k_cache.device, 8), max_reqs, max_tokens)
+        shape = LayerShape.of(num_heads, k_cache)
+        return launch_classes(shape, width, attention_sms(k_cache.device), max_reqs, max_tokens)
 
 
 class TritonAttentionPlan:

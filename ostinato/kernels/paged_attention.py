@@ -317,9 +317,15 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
 
     num_stages 5: the page-table load feeding each K/V address takes a pipeline stage of its
     own, and fewer stages leave no K/V tile in flight while the previous one is computed."""
-    num_tokens, num_heads, head_dim = q.shape
-    shape = LayerShape(num_heads, head_dim, q.element_size(), *k_cache.shape[1:3])
-    return _config(shape, num_tokens, num_reqs, block_table.shape[1], num_sms(q.device, 8))
+    num_tokens, num_heads, _ = q.shape
+    shape = LayerShape.of(num_heads, k_cache)
+    return _config(shape, num_tokens, num_reqs, block_table.shape[1], attention_sms(q.device))
+
+
+def attention_sms(device: torch.device) -> int:
+    """The SM count launch configurations are sized by; 8 under the interpreter, so CPU tests
+    reach split launches."""
+    return num_sms(device, 8)
 
 
 class LayerShape(NamedTuple):
@@ -330,6 +336,12 @@ class LayerShape(NamedTuple):
     itemsize: int  # of q and the cache
     page: int  # block size of the KV cache
     kv_heads: int
+
+    @classmethod
+    def of(cls, num_heads: int, k_cache: torch.Tensor) -> LayerShape:
+        """num_heads query heads over one layer's cache [blocks, page, kv_heads, head_dim]."""
+        page, kv_heads, head_dim = k_cache.shape[1:]
+        return cls(num_heads, head_dim, k_cache.element_size(), page, kv_heads)
 
 
 def _config(shape: LayerShape, num_tokens: int, num_reqs: int, width: int, sms: int) -> Config:

@@ -125,7 +125,7 @@ class ModelRunner:
         self.kv_caches: list = []
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
-        self.warm_up_seconds = 0.0  # start-up's eager warm-up batches (_compile_eager_kernels)
+        self.warm_up_seconds = 0.0  # start-up's eager warm-up batches (_eager_warm_up)
         self.num_blocks = self._count_kv_blocks()
 
     def start(self, num_blocks: int | None = None) -> None:
@@ -135,9 +135,9 @@ class ModelRunner:
         if self.graphs.mode is not CudaGraphMode.NONE:
             self.graphs.capture(self._forward_desc, self._fill_dummy_desc, self._graph_inputs)
         if self.config.is_cuda and not self.graphs.lazy:
-            self._compile_eager_kernels()
+            self._eager_warm_up()
 
-    def _compile_eager_kernels(self) -> None:
+    def _eager_warm_up(self) -> None:
         """Run the attention backend's warm-up batches eagerly, once: their kernels compile
         now, not in the middle of a step that every running request waits for. Lazy capture
         pays first uses when they come, compiles included, and skips this."""
