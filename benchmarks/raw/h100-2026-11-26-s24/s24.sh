@@ -66,4 +66,8 @@ bitmask)  # the aligned token bitmask (n4): compiles after start-up with structu
   (cd .gpu/n4 && timeout 200 python3 ../compiles.py structured 2>>$OUT/err.txt | tail -2 | tee -a $OUT/compiles.txt)
   TESTS_S=300 gputests n4 tests/gpu/test_structured_gpu.py
   ;;
+review)  # after the review's mend (n5): warm-up, kernel and structured GPU tests; the warm-up test on the session's start (n0: must fail)
+  TESTS_S=400 gputests n5 tests/gpu/test_warm_up.py tests/gpu/test_kernels.py tests/gpu/test_structured_gpu.py
+  TESTS_S=150 gputests n0 tests/gpu/test_warm_up.py
+  ;;
 esac
