@@ -7,10 +7,13 @@ A failed request (refused, broken off, timed out) is counted and its error repor
 stops the run. With --launch the command starts `ostinato serve` with its engine flags, waits
 for /health, runs, and stops the server.
 
-Times are those of the streamed chunks. A server streams text, so a token that adds no visible
-text (a byte tokenizer's cut character, or a random-weight preset's ids past its byte
-tokenizer) arrives with a later chunk; --logprobs 0 makes every token a chunk of its own
-(ostinato sends one per token when logprobs are asked), so the first chunk is the first token.
+Each simulated user (up to MAX_USERS, then shared in turn) has its own HTTP client, connected
+before the clocks start. Times are those of the streamed chunks. A server streams text, so a
+token that adds no visible text (a byte tokenizer's cut character, or a random-weight preset's
+ids past its byte tokenizer) arrives with a later chunk; --logprobs 0 makes every token its own
+chunk while the client keeps up (ostinato sends one per token when logprobs are asked, and
+merges the tokens of a stream that fell behind into one chunk), so the first chunk is the
+first token, and inter-token latency is the time between chunks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from pathlib import Path
 
 import httpx
 from tqdm import tqdm
+
+MAX_USERS = 256  # HTTP clients of one load; more requests at once share them
 
 
 @dataclass(frozen=True)
@@ -220,20 +225,39 @@ async def benchmark(
     """Send every request at its arrival time; the results and the seconds it all took."""
     times = arrival_times(len(requests), rate, args.bench_seed + index)
     bar = tqdm(total=len(requests), desc=f"rate {rate:g}/s", disable=None)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+    users = await connected_users(base_url, min(len(requests), MAX_USERS))
+    try:
         start = time.perf_counter()
 
-        async def one(request: Request, at: float) -> Result:
+        async def one(i: int, request: Request, at: float) -> Result:
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            result = await send(client, args.model, request, args.logprobs, args.timeout)
+            user = users[i % len(users)]
+            result = await send(user, args.model, request, args.logprobs, args.timeout)
             bar.update(1)
             return result
 
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, times, strict=True)))
+        load = enumerate(zip(requests, times, strict=True))
+        results = await asyncio.gather(*(one(i, r, t) for i, (r, t) in load))
         seconds = time.perf_counter() - start
+    finally:
+        await asyncio.gather(*(user.aclose() for user in users))
     bar.close()
     return list(results), seconds
+
+
+async def connected_users(base_url: str, count: int) -> list[httpx.AsyncClient]:
+    """One client per simulated user, its connection opened (GET /v1/models) before any clock
+    starts, as users of a server each hold their own. One client's pool shared by a burst
+    set up its connections, and scheduled requests onto them, while the clocks ran: the last
+    of 80 requests left tens of milliseconds after the first."""
+    users = [httpx.AsyncClient(base_url=base_url, timeout=None) for _ in range(count)]
+
+    async def connect(user: httpx.AsyncClient) -> None:
+        with contextlib.suppress(httpx.HTTPError):  # a failing server fails the load itself
+            await user.get("/v1/models")
+
+    await asyncio.gather(*(connect(user) for user in users))
+    return users
 
 
 async def send(

@@ -12,7 +12,9 @@ class RequestOutput:
     prompt_token_ids: Sequence[int]  # shared with the engine: read, never modify
     token_ids: list[int]  # every generated token so far
     text: str  # detokenized generated text so far (stop string removed)
-    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step
+    # tokens added since the consumer's previous output of this request (one step's, unless a
+    # server stream fell behind and got several steps' at once: RequestStream)
+    new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None

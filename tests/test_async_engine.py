@@ -9,7 +9,12 @@ import httpx
 import pytest
 from helpers import FakeEngine
 
-from ostinato.engine.async_engine import AsyncEngine, EngineClosedError, EngineOverloadedError
+from ostinato.engine.async_engine import (
+    AsyncEngine,
+    EngineClosedError,
+    EngineOverloadedError,
+    RequestStream,
+)
 from ostinato.outputs import RequestOutput
 from ostinato.sampling_params import SamplingParams
 from ostinato.server.app import build_app
@@ -120,3 +125,47 @@ def test_duplicate_request_id_is_refused_and_the_original_runs_on():
         await async_engine.shutdown()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def _out(rid: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    text = "".join(chr(96 + t) for t in tokens)
+    reason = "length" if finished else None
+    return RequestOutput(rid, [], tokens, text, tokens[-1:], finished, reason)
+
+
+def test_a_stream_that_falls_behind_gets_each_requests_latest_output_once():
+    """A server stream that cannot send a chunk per step gets one output per request with
+    every token since its last read: no backlog to work through before a newer token."""
+
+    async def main():
+        stream = RequestStream(None, ["a", "b"])
+        for out in (_out("a", [1]), _out("b", [7]), _out("a", [1, 2]), _out("a", [1, 2, 3])):
+            stream.put(out)
+        first, second = await anext(stream), await anext(stream)
+        assert (first.request_id, first.token_ids, first.text) == ("a", [1, 2, 3], "abc")
+        assert first.new_token_ids == [1, 2, 3]  # every step's new tokens since the last read
+        assert (second.request_id, second.new_token_ids) == ("b", [7])  # a kept its place
+        stream.put(_out("a", [1, 2, 3, 4], finished=True))
+        stream.put(_out("b", [7, 8]))
+        stream.put(_out("b", [7, 8, 9], finished=True))
+        rest = [out async for out in stream]
+        assert [(o.request_id, o.new_token_ids, o.finished) for o in rest] == [
+            ("a", [4], True),
+            ("b", [8, 9], True),
+        ]
+
+    asyncio.run(main())
+
+
+def test_a_stream_waits_for_the_next_output():
+    async def main():
+        stream = RequestStream(None, ["a"])
+        reader = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0.01)
+        assert not reader.done()
+        stream.put(_out("a", [5], finished=True))
+        assert (await reader).token_ids == [5]
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+
+    asyncio.run(main())

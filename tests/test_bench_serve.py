@@ -3,6 +3,7 @@ its Poisson schedule."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import socket
@@ -10,7 +11,13 @@ import socket
 import httpx
 import pytest
 
-from ostinato.bench_serve import arrival_times, engine_argv, launched_server, synthetic_requests
+from ostinato.bench_serve import (
+    arrival_times,
+    connected_users,
+    engine_argv,
+    launched_server,
+    synthetic_requests,
+)
 from ostinato.cli import build_parser, main
 
 METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -141,3 +148,29 @@ def test_percentiles_and_summary_against_values_worked_by_hand():
     assert r["itl_ms_p50"] == pytest.approx(150.0)  # gaps of 100 and 200 ms
     assert r["itl_ms_p90"] == pytest.approx(190.0)
     assert r["e2e_ms_mean"] == pytest.approx(350.0) and r["errors"] == {"HTTP 400: no": 1}
+
+
+def test_each_user_is_connected_before_the_load_starts():
+    """connected_users opens one connection per simulated user and sends its first request
+    there, so no clock of the load runs while a connection is set up."""
+
+    async def main() -> tuple[int, list[bytes]]:
+        seen: list[bytes] = []
+
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+            await reader.read()  # keep the connection until the client closes it
+            writer.close()
+
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            users = await connected_users(f"http://127.0.0.1:{port}", 3)
+            opened = len(seen)
+            await asyncio.gather(*(user.aclose() for user in users))
+        return opened, seen
+
+    opened, requests = asyncio.run(main())
+    assert opened == 3 and all(r.startswith(b"GET /v1/models ") for r in requests)

@@ -45,14 +45,29 @@ class EngineClosedError(RuntimeError):
 class RequestStream:
     """Outputs of a group of engine requests (the n choices of one API call) in arrival order.
 
-    Iteration ends when every request of the group has finished or been aborted.
+    Iteration ends when every request of the group has finished or been aborted. A consumer
+    that falls behind gets each request's latest output once, its new tokens those of every
+    step it missed: outputs are cumulative (tokens, text, logprobs), so nothing is lost, and a
+    server that cannot send a chunk per token per stream sends fewer, larger chunks instead
+    of an ever longer backlog that delays every stream's first token.
     """
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._pending: dict[
+            str, RequestOutput
+        ] = {}  # not yet handed out; a request keeps its place
+        self._ready = asyncio.Event()
         self._unfinished = set(request_ids)
+
+    def put(self, out: RequestOutput) -> None:
+        """Queue out (on the event loop), merged into the request's output still waiting."""
+        waiting = self._pending.get(out.request_id)
+        if waiting is not None:  # outputs are made per delivery: this one is ours to change
+            out.new_token_ids = waiting.new_token_ids + out.new_token_ids
+        self._pending[out.request_id] = out
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -60,7 +75,10 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if not self._unfinished:
             raise StopAsyncIteration
-        out = await self._queue.get()
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        out = self._pending.pop(next(iter(self._pending)))
         if out.finished:
             self._unfinished.discard(out.request_id)
         return out
@@ -328,7 +346,7 @@ def _final_output(rid: str, last: RequestOutput | None, reason: str, message: st
 
 def _put_all(ready: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, out in ready:
-        stream._queue.put_nowait(out)
+        stream.put(out)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: Exception | None) -> None:

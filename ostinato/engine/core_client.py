@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -70,9 +71,15 @@ class _Request:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, adapters: Sequence[LoRARequest] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        adapters: Sequence[LoRARequest] = (),
+        core: Callable[..., Any] = core_main,
+    ) -> None:
         """Start the core and wait until it has loaded the model (ValueError for a bad
-        adapter or config, RuntimeError when it fails otherwise)."""
+        adapter or config, RuntimeError when it fails otherwise). `core` is the process's
+        entry point, core_main's signature (benchmarks/serve_path.py passes a scripted one)."""
         self.config = config.for_model(load_hf_config(config.model))
         self.tokenizer = load_tokenizer(config.model)
         self.adapters = {a.name: a for a in adapters}
@@ -97,7 +104,7 @@ class EngineCoreClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(f"ipc://{self._dir}/output")
         self.proc = mp.get_context("spawn").Process(
-            target=core_main,
+            target=core,
             args=(config, list(adapters), f"ipc://{self._dir}/input",
                   f"ipc://{self._dir}/output", os.getpid()),
             name="ostinato-engine-core",
@@ -237,7 +244,7 @@ class EngineCoreClient:
             now = time.monotonic()
             ready = [r for d in msg.outputs if (r := self._apply(d, now)) is not None]
             for stream, out in ready:
-                stream._queue.put_nowait(out)
+                stream.put(out)
         elif isinstance(msg, m.Reply):
             fut = self._calls.pop(msg.call_id, None)
             if fut is not None and not fut.done():
@@ -330,7 +337,7 @@ class EngineCoreClient:
                 rid, last.prompt_token_ids, last.token_ids, last.text, [], True, "abort",
                 message, last.logprobs, last.num_cached_tokens,
             )  # fmt: skip
-            req.stream._queue.put_nowait(out)
+            req.stream.put(out)
             self._observe("abort", None, None)
         self._requests.clear()
 
