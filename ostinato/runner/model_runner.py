@@ -32,7 +32,13 @@ from ostinato.lora.slots import AdapterSlots
 from ostinato.models.base import IntermediateTensors
 from ostinato.models.llama import head_dim
 from ostinato.runner.input_buffers import InputBuffers
-from ostinato.runner.sampler import PromptScores, SampledTokens, Sampler, SamplerOutput
+from ostinato.runner.sampler import (
+    PromptScores,
+    SampledTokens,
+    Sampler,
+    SamplerOutput,
+    warm_up_rows,
+)
 from ostinato.runner.step import StepInput, build_step, dummy_step
 from ostinato.structured.bitmask import TokenBitmask
 
@@ -139,8 +145,9 @@ class ModelRunner:
 
     def _eager_warm_up(self) -> None:
         """Run the attention backend's warm-up batches eagerly, once: their kernels compile
-        now, not in the middle of a step that every running request waits for. Lazy capture
-        pays first uses when they come, compiles included, and skips this."""
+        now, not in the middle of a step that every running request waits for; then the
+        step's tail. Lazy capture pays first uses when they come, compiles included, and
+        skips this."""
         c = self.hf_config
         k_cache = next(kv for kv in self.kv_caches if kv is not None)[0]
         batches = self.backend.warm_up_batches(
@@ -154,9 +161,31 @@ class ModelRunner:
         for num_tokens, num_reqs in batches:
             self.buffers.load(self._dummy(num_tokens, num_reqs))
             self._forward(num_tokens, num_reqs)
+        if self.rank.is_last_stage:
+            self._warm_up_tail()
         torch.cuda.synchronize(self.device)
         self.warm_up_seconds = time.perf_counter() - start
         logger.info("eager warm-up: %d batches in %.2f s", len(batches), self.warm_up_seconds)
+
+    def _warm_up_tail(self) -> None:
+        """The LM head and the sampler run outside every graph. Launch the LM head once per
+        row count a step can sample (cuBLAS loads the kernel it picks for a count on first
+        use) and the sampler at the fewest and the most rows with every kind of request, so
+        their kernels are loaded and the caching allocator holds their blocks before the
+        first request. Without this the first burst after start-up (80 prompts) waited about
+        60 ms longer for its first tokens than the next (benchmarks/h100-2026-11-26-s25.md)."""
+        most = min(
+            self.config.max_num_seqs * (1 + self.config.num_speculative_tokens),
+            self.config.max_num_batched_tokens,
+        )
+        hidden = torch.zeros(
+            most, self.hf_config.hidden_size, dtype=self.config.torch_dtype, device=self.device
+        )
+        for rows in range(1, most + 1):  # every rank: tensor parallelism gathers the logits
+            logits = self.model.compute_logits(hidden[:rows])
+        if tp_group().rank == 0:
+            for rows in (1, most):
+                self.sampler(logits[:rows], warm_up_rows(rows))
 
     def close(self) -> None:
         """Give back every device allocation: graphs and their pool, KV cache, persistent

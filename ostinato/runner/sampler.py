@@ -13,7 +13,8 @@ from ostinato.kernels.bitmask import apply_token_bitmask
 from ostinato.runner.deadline import wait_for
 from ostinato.runner.logits_processors import on_device as _on
 from ostinato.runner.logits_processors import process_logits
-from ostinato.runner.step import PromptRows, SamplingRow
+from ostinato.runner.step import PromptRows, SamplingRow, TokenHistory
+from ostinato.sampling_params import SamplingParams
 from ostinato.speculative.rejection import accepted_prefix, race
 from ostinato.structured.bitmask import TokenBitmask
 
@@ -223,6 +224,21 @@ class Sampler:
         top = logprobs.topk(n, dim=-1)
         chosen = logprobs.gather(1, tokens[rows][:, None])[:, 0]
         return index, top.indices, top.values, chosen
+
+
+def warm_up_rows(count: int) -> list[SamplingRow]:
+    """count rows that take every path of the sampler: greedy beside random sampling with
+    top-k, top-p, min-p, a seed, logprobs, a logit bias, min_tokens and penalties."""
+    history = TokenHistory(prompt=(1, 2), output=(3,), pending=False)
+    every = SamplingParams(
+        temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, seed=0, logprobs=2, max_tokens=2,
+        min_tokens=1, presence_penalty=0.5, repetition_penalty=1.1, logit_bias={5: 1.0},
+    )  # fmt: skip
+    kinds = [
+        SamplingRow("greedy", SamplingParams(temperature=0.0), 0),
+        SamplingRow("every", every, 1, history=history, banned=(0,), min_tokens_left=1),
+    ]
+    return [kinds[i % 2] for i in range(count)]
 
 
 def _seeded_noise(owners: list[SamplingRow], noise: torch.Tensor) -> None:
