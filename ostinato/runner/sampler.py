@@ -228,17 +228,19 @@ class Sampler:
 
 def warm_up_rows(count: int) -> list[SamplingRow]:
     """count rows that take every path of the sampler: greedy beside random sampling with
-    top-k, top-p, min-p, a seed, logprobs, a logit bias, min_tokens and penalties."""
+    top-k, top-p, min-p, logprobs, a logit bias, min_tokens and penalties, and one seeded row
+    (its noise is drawn on the host, a vocabulary's worth per row)."""
     history = TokenHistory(prompt=(1, 2), output=(3,), pending=False)
     every = SamplingParams(
-        temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, seed=0, logprobs=2, max_tokens=2,
+        temperature=0.7, top_k=8, top_p=0.9, min_p=0.05, logprobs=2, max_tokens=2,
         min_tokens=1, presence_penalty=0.5, repetition_penalty=1.1, logit_bias={5: 1.0},
     )  # fmt: skip
     kinds = [
         SamplingRow("greedy", SamplingParams(temperature=0.0), 0),
         SamplingRow("every", every, 1, history=history, banned=(0,), min_tokens_left=1),
     ]
-    return [kinds[i % 2] for i in range(count)]
+    seeded = SamplingRow("seeded", SamplingParams(seed=0), 0)
+    return [seeded, *(kinds[i % 2] for i in range(count - 1))]
 
 
 def _seeded_noise(owners: list[SamplingRow], noise: torch.Tensor) -> None:
