@@ -165,7 +165,11 @@ class ModelRunner:
             self._warm_up_tail()
         torch.cuda.synchronize(self.device)
         self.warm_up_seconds = time.perf_counter() - start
-        logger.info("eager warm-up: %d batches in %.2f s", len(batches), self.warm_up_seconds)
+        logger.info(
+            "eager warm-up: %d batches and the step's tail in %.2f s",
+            len(batches),
+            self.warm_up_seconds,
+        )
 
     def _warm_up_tail(self) -> None:
         """The LM head and the sampler run outside every graph. Launch the LM head once per

@@ -1,0 +1,51 @@
+#!/bin/bash
+# session 25 calls: bash .gpu/s25.sh STAGE   (trees: .gpu/n0 = main ac78caa + the core seam + serve_path.py; n1 = the session's tree)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=.:/tmp/site
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__); import os; print(os.cpu_count(), 'cpus')" | tee -a $OUT/env.txt
+gputests() {  # TREE [FILES...]: the GPU tests of a tree
+  local tree=$1; shift
+  (cd .gpu/$tree && timeout ${TESTS_S:-560} python3 -m pytest ${@:-tests/gpu} -q -p no:cacheprovider \
+    -o addopts="" -rs --durations=10 2>&1 | tee $OUT/gpu-$tree.log | tail -n 25)
+}
+path() {  # TREE: the serving path's cost (serve_path.py: scripted core, real server and client)
+  (cd .gpu/$1 && timeout 120 python3 benchmarks/serve_path.py --label $1 --num-prompts 80 --input-len 512 \
+    --output-len 128 --len-spread 0.5 --logprobs 0 2>>$OUT/err.txt | tee -a $OUT/path.jsonl)
+}
+serve() {  # TREE: bench serve --launch at rates 8, 32, inf (s24's call 9)
+  (cd .gpu/$1 && timeout 240 python3 -m ostinato.cli bench serve --launch --model random:qwen3-0.6b --max-model-len 2048 \
+    --request-rate 8,32,inf --num-prompts 80 --input-len 512 --output-len 128 \
+    --len-spread 0.5 --logprobs 0 --json --server-log $OUT/serve-$1.log 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$1\", |" | tee -a $OUT/serve.jsonl | cut -c1-600)
+}
+case $1 in
+diag)  # where a burst's first tokens wait: the engine's step timeline (n0), the serving path (n0/n1), bench serve (n0/n1)
+  (cd .gpu/n0 && ASYNC=1 SYNC=1 timeout 150 python3 ../timeline.py 2>>$OUT/err.txt | tee $OUT/timeline.txt)
+  (cd .gpu/n0 && ASYNC=0 timeout 150 python3 ../timeline.py 2>>$OUT/err.txt | tee -a $OUT/timeline.txt)
+  for t in n0 n1 n0 n1; do path $t; done
+  for t in n0 n1; do serve $t; done
+  ;;
+burst)  # the first burst after start-up: allocator counters, then profiled rounds (n0)
+  (cd .gpu/n0 && timeout 150 python3 ../burst_prof.py 2>>$OUT/err.txt | tee $OUT/burst.txt)
+  (cd .gpu/n0 && PROF=1 timeout 200 python3 ../burst_prof.py 2>>$OUT/err.txt > $OUT/burst-prof.txt; grep "^round" $OUT/burst-prof.txt)
+  ;;
+tail)  # the tail warm-up (n2 = 824d28e): the first burst, start-up, serving (n0 baseline, n2), the warm-up test
+  (cd .gpu/n2 && timeout 150 python3 ../burst_prof.py 2>>$OUT/err.txt | tee $OUT/burst-n2.txt)
+  for t in n0 n2; do (cd .gpu/$t && timeout 150 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" | tee -a $OUT/startup.jsonl | cut -c1-400); done
+  for t in n0 n2; do serve $t; done
+  TESTS_S=300 gputests n2 tests/gpu/test_warm_up.py
+  ;;
+final)  # the final tree (n3): GPU tests, the new burst test on main (n0b: must fail), the first burst, start-up, serving
+  TESTS_S=400 gputests n3 tests/gpu/test_warm_up.py tests/gpu/test_sampling_params_gpu.py tests/gpu/test_async_graphs.py tests/gpu/test_structured_gpu.py tests/gpu/test_spec_graphs.py
+  TESTS_S=120 gputests n0b "tests/gpu/test_warm_up.py::test_the_first_burst_finds_the_tails_memory_ready"
+  (cd .gpu/n3 && timeout 150 python3 ../burst_prof.py 2>>$OUT/err.txt | tee $OUT/burst-n3.txt)
+  for r in 1 2; do (cd .gpu/n3 && timeout 150 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"n3\", |" | tee -a $OUT/startup.jsonl | cut -c1-400); done
+  serve n3
+  ;;
+tailcost)  # what the tail warm-up costs (n3), every count, then a ladder first
+  (cd .gpu/n3 && timeout 150 python3 ../tail_cost.py 2>>$OUT/err.txt | tee $OUT/tailcost.txt)
+  (cd .gpu/n3 && LADDER=1 timeout 150 python3 ../tail_cost.py 2>>$OUT/err.txt | tee -a $OUT/tailcost.txt)
+  ;;
+esac
