@@ -838,3 +838,17 @@ def test_graph_captures_and_warm_ups_neither_take_nor_fill_the_eager_cache(monke
     assert steps.run([1, 1], [20, 33]) is eager
     # eager steps merge a split KV in the attention kernel; graphs keep the combine launch
     assert steps.merged == [True, False, False]
+
+
+def test_triton_key_is_hashed_in_the_background_and_cached_for_the_first_kernel():
+    from triton.runtime import cache
+
+    from ostinato.kernels.triton_key import hash_in_background
+
+    cache.triton_key.cache_clear()
+    thread = hash_in_background()
+    thread.join()
+    assert thread.name == "triton-key" and cache.triton_key.cache_info().currsize == 1
+    hits = cache.triton_key.cache_info().hits
+    cache.triton_key()  # what the first compile or cache lookup calls
+    assert cache.triton_key.cache_info().hits == hits + 1

@@ -25,6 +25,7 @@ from ostinato.engine.scheduler import ScheduledBatch
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.memory import graph_memory_reserve
 from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+from ostinato.kernels import triton_key
 from ostinato.layout import kv_heads_per_rank, stage_layers
 from ostinato.loader import load_model
 from ostinato.lora.model import LoRAModel
@@ -88,11 +89,14 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        hashing = triton_key.hash_in_background() if config.is_cuda else None
         allocated_before = torch.cuda.memory_allocated() if config.is_cuda else 0
         layers = stage_layers(
             hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition
         )[self.rank.pp_rank]
         self.model = load_model(config, hf_config, (layers.start, layers.stop))
+        if hashing is not None:
+            hashing.join()
         # the stage's first large collectives follow (the KV sizing's peak step): wait for
         # the stage's slowest loader here, under a start-up deadline, not inside them
         tp_group().wait_for_peers(startup_timeout(config.distributed_timeout))
