@@ -48,4 +48,35 @@ tailcost)  # what the tail warm-up costs (n3), every count, then a ladder first
   (cd .gpu/n3 && timeout 150 python3 ../tail_cost.py 2>>$OUT/err.txt | tee $OUT/tailcost.txt)
   (cd .gpu/n3 && LADDER=1 timeout 150 python3 ../tail_cost.py 2>>$OUT/err.txt | tee -a $OUT/tailcost.txt)
   ;;
+startup)  # where start-up goes (n3): bench startup (fills the Triton cache), then a cProfile'd start-up
+  (cd .gpu/n3 && timeout 150 python3 -m ostinato.cli bench startup --json --model random:qwen3-0.6b 2>>$OUT/err.txt | cut -c1-400)
+  (cd .gpu/n3 && timeout 150 python3 ../startup_prof.py 2>>$OUT/err.txt > $OUT/startup-prof.txt; head -1 $OUT/startup-prof.txt)
+  ;;
+startup2)  # the start-up changes (n4 = 291657e) against n3, interleaved; graph-memory GPU tests on n4
+  (cd .gpu/n3 && timeout 150 python3 -m ostinato.cli bench startup --json --model random:qwen3-0.6b > /dev/null 2>>$OUT/err.txt)
+  for r in 1 2 3; do for t in n3 n4; do (cd .gpu/$t && timeout 150 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" | tee -a $OUT/startup.jsonl | cut -c1-330); done; done
+  TESTS_S=420 gputests n4 tests/gpu/test_warm_up.py tests/gpu/test_prefill_graphs.py tests/gpu/test_full_prefill_graphs.py tests/gpu/test_breakable.py
+  ;;
+startup3)  # more pairs: n3 / n4 interleaved, 6 rounds; triton_key's cost alone
+  for r in 1 2 3; do python3 -c "import time; from triton.runtime import cache; t = time.perf_counter(); cache.triton_key(); print(f'triton_key {time.perf_counter() - t:.3f} s')"; done
+  for r in 1 2 3 4 5 6; do for t in n3 n4; do (cd .gpu/$t && timeout 150 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" >> $OUT/startup.jsonl); done; done
+  python3 -c "
+import json, statistics as st
+rows = [json.loads(l) for l in open('$OUT/startup.jsonl')]
+for t in ('n3', 'n4'):
+    r = [x for x in rows if x['tree'] == t]
+    print(t, {k: [round(x[k], 2) for x in r] for k in ('startup_s', 'load_s', 'capture_s', 'warm_up_s')}, 'median', round(st.median(x['startup_s'] for x in r), 3))
+"
+  ;;
+prefill)  # where a short prompt's first token goes (n4): profile_step's prefill section; bench prefill
+  (cd .gpu/n4 && timeout 250 python3 benchmarks/profile_step.py --sections prefill --modes full_and_piecewise \
+    --prefill-lengths 512,1024,2048 --json $OUT/prefill.jsonl 2>>$OUT/err.txt | cut -c1-300)
+  (cd .gpu/n4 && timeout 200 python3 -m ostinato.cli bench prefill --json --model random:qwen3-0.6b \
+    --no-prefix-caching 2>>$OUT/err.txt | tee $OUT/bench-prefill.jsonl | cut -c1-400)
+  ;;
+attn)  # prefill attention configurations at qwen3-0.6b's shape (n4)
+  (cd .gpu/n4 && timeout 300 python3 ../attn_sweep.py 2>>$OUT/err.txt | tee $OUT/attn-sweep.txt)
+  ;;
 esac
