@@ -36,7 +36,7 @@ def apply_token_bitmask_torch(logits: torch.Tensor, rows: torch.Tensor, bits: to
     logits[index] = logits[index].masked_fill(~keep, float("-inf"))
 
 
-@jit
+@jit(do_not_specialize=["words"])  # one kernel for every tokenizer: start-up warms it
 def _apply_kernel(logits_ptr, rows_ptr, bits_ptr, vocab, words, stride_logits,
                   BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0).to(tl.int64)

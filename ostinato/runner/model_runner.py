@@ -178,10 +178,11 @@ class ModelRunner:
     def _warm_up_tail(self) -> None:
         """The LM head and the sampler run outside every graph. Launch the LM head once per
         row count a step can sample (cuBLAS loads the kernel it picks for a count on first
-        use) and the sampler at the fewest and the most rows with every kind of request, so
-        their kernels are loaded and the caching allocator holds their blocks before the
-        first request. Without this the first burst after start-up (80 prompts) waited about
-        60 ms longer for its first tokens than the next (benchmarks/h100-2026-11-26-s25.md)."""
+        use) and the sampler at the fewest and the most rows with every kind of request, and
+        once with a token bitmask, so their kernels are compiled and loaded and the caching
+        allocator holds their blocks before the first request. Without this the first burst
+        after start-up (80 prompts) waited about 60 ms longer for its first tokens than the
+        next (benchmarks/h100-2026-11-26-s25.md)."""
         most = min(
             self.config.max_num_seqs * (1 + self.config.num_speculative_tokens),
             self.config.max_num_batched_tokens,
@@ -194,6 +195,11 @@ class ModelRunner:
         if tp_group().rank == 0:
             for rows in sorted({min(3, most), most}):  # from 3 rows on, every path is taken
                 self.sampler(logits[:rows], warm_up_rows(rows))
+            # structured outputs' token bitmask: its kernel does not specialise on the
+            # tokenizer's width, which only the grammar library knows, so any width will do
+            mask = TokenBitmask.for_rows([0], -(-self.hf_config.vocab_size // 32))
+            mask.bits[:] = -1
+            self.sampler(logits[:1], warm_up_rows(1), mask)
 
     def close(self) -> None:
         """Give back every device allocation: graphs and their pool, KV cache, persistent

@@ -20,6 +20,7 @@ WORKLOAD = """
 import json, random, sys
 import triton
 from ostinato import LLM, SamplingParams
+from ostinato.sampling_params import StructuredOutputsParams
 
 llm = LLM("random:qwen3-0.6b", max_model_len=1024, max_num_seqs=64, num_kv_blocks=4096,
           cuda_graph_mode=sys.argv[1])
@@ -41,6 +42,9 @@ for i, prompt in enumerate(prompts):  # again, one arriving per step: prefix hit
 while engine.has_unfinished_requests():
     engine.step()
 llm.generate([p[: len(p) // 2] for p in prompts[:5]], sampled, use_tqdm=False)
+schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema))
+llm.generate(prompts[:3], [constrained, greedy, constrained], use_tqdm=False)
 print(json.dumps([compiled, llm.graph_report()["eager_warm_up_seconds"]]))
 """
 
