@@ -79,4 +79,11 @@ prefill)  # where a short prompt's first token goes (n4): profile_step's prefill
 attn)  # prefill attention configurations at qwen3-0.6b's shape (n4)
   (cd .gpu/n4 && timeout 300 python3 ../attn_sweep.py 2>>$OUT/err.txt | tee $OUT/attn-sweep.txt)
   ;;
+final2)  # the final tree (n5 = e2e5bbe): GPU tests; the warm-up test on n4 (n4b: must fail at the bitmask); start-up; serving
+  TESTS_S=420 gputests n5 tests/gpu/test_warm_up.py tests/gpu/test_structured_gpu.py tests/gpu/test_sampling_params_gpu.py tests/gpu/test_async_graphs.py tests/gpu/test_spec_graphs.py
+  TESTS_S=120 gputests n4b "tests/gpu/test_warm_up.py::test_no_kernel_compiles_after_start_up[full_and_piecewise]"
+  for r in 1 2 3; do (cd .gpu/n5 && timeout 150 python3 -m ostinato.cli bench startup --json \
+    --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"n5\", |" | tee -a $OUT/startup.jsonl | cut -c1-330); done
+  serve n5
+  ;;
 esac
