@@ -55,9 +55,8 @@ class RequestStream:
     def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self._engine = engine
-        self._pending: dict[
-            str, RequestOutput
-        ] = {}  # not yet handed out; a request keeps its place
+        # outputs not handed out yet, by request; a request's newer output keeps its place
+        self._pending: dict[str, RequestOutput] = {}
         self._ready = asyncio.Event()
         self._unfinished = set(request_ids)
 
