@@ -86,4 +86,25 @@ final2)  # the final tree (n5 = e2e5bbe): GPU tests; the warm-up test on n4 (n4b
     --model random:qwen3-0.6b 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"n5\", |" | tee -a $OUT/startup.jsonl | cut -c1-330); done
   serve n5
   ;;
+dsweep)  # decode attention at offline throughput's batch sizes, qwen3-0.6b's shape (n5); offline throughput
+  (cd .gpu/n5 && timeout 300 python3 ../decode_sweep.py 2>>$OUT/err.txt | tee $OUT/decode-sweep.txt)
+  (cd .gpu/n5 && timeout 200 python3 -m ostinato.cli bench throughput --json --model random:qwen3-0.6b --batch-size 256 \
+    --input-len 512 --output-len 128 2>>$OUT/err.txt | tee $OUT/throughput.jsonl | cut -c1-500)
+  ;;
+stages)  # 3 stages for crowded decode launches (n6 = 152a632) against n5: GPU tests, throughput, decode latency
+  TESTS_S=450 gputests n6 tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py tests/gpu/test_warm_up.py
+  for r in 1 2; do for t in n5 n6; do (cd .gpu/$t && timeout 150 python3 -m ostinato.cli bench throughput --json --model random:qwen3-0.6b \
+    --batch-size 256 --input-len 512 --output-len 128 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" | tee -a $OUT/throughput.jsonl | cut -c1-300); done; done
+  for t in n5 n6; do (cd .gpu/$t && timeout 200 python3 -m ostinato.cli bench latency --json --model random:qwen3-0.6b \
+    --batch-size 64,256 --input-len 512 --output-len 64 --max-model-len 2048 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" | tee -a $OUT/latency.jsonl | cut -c1-300); done
+  ;;
+stages2)  # decode latency n5 / n6 again, interleaved, two rounds
+  for r in 1 2; do for t in n6 n5; do (cd .gpu/$t && timeout 200 python3 -m ostinato.cli bench latency --json --model random:qwen3-0.6b \
+    --batch-size 64,256 --input-len 512 --output-len 64 --max-model-len 2048 --iters 5 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$t\", |" >> $OUT/latency.jsonl); done; done
+  python3 -c "
+import json
+for l in open('$OUT/latency.jsonl'):
+    d = json.loads(l); print(d['tree'], d['batch_size'], round(d['tpot_ms'], 3), round(d['ratio_to_floor'], 3))
+"
+  ;;
 esac
