@@ -440,8 +440,6 @@ def test_config_depends_on_shapes_and_splits_long_decodes(monkeypatch):
     assert decode.block_q == 1 and decode.splits > 1
     many = choose_config(torch.empty(256, 32, 128), k_cache, torch.empty(256, 512), num_reqs=256)
     assert many.splits == 1
-    # 2,048 programs on 132 SMs: residency beats a deeper pipeline; 8 requests keep 5 stages
-    assert (many.num_stages, decode.num_stages) == (3, 5)
     prefill = choose_config(torch.empty(4096, 32, 128), k_cache, table[:1], num_reqs=1)
     assert prefill.splits == 1 and prefill.block_m >= 64
 

@@ -316,8 +316,7 @@ def choose_config(q, k_cache, block_table, num_reqs: int) -> Config:
     (graphs/plan.py), few enough that a long prompt keeps the large tiles.
 
     num_stages 5: the page-table load feeding each K/V address takes a pipeline stage of its
-    own, and fewer stages leave no K/V tile in flight while the previous one is computed;
-    except in decode launches of more programs than the SMs hold at once (see _config)."""
+    own, and fewer stages leave no K/V tile in flight while the previous one is computed."""
     num_tokens, num_heads, _ = q.shape
     shape = LayerShape.of(num_heads, k_cache)
     return _config(shape, num_tokens, num_reqs, block_table.shape[1], attention_sms(q.device))
@@ -358,12 +357,7 @@ def _config(shape: LayerShape, num_tokens: int, num_reqs: int, width: int, sms: 
         most = width * page // (4 * block_n)
         splits = _splits(programs, sms, most)
         block_m = max(16, triton.next_power_of_2(block_q * group))
-        # Once a decode launch fills every SM more than PROGRAMS_PER_SM times over, more
-        # programs resident beat a deeper pipeline: 3 stages ran 4-10% faster than 5 at 64-256
-        # requests (qwen3-0.6b's heads, H100: benchmarks/h100-2026-11-26-s25.md).
-        crowded = block_q == 1 and splits == 1 and programs > PROGRAMS_PER_SM * sms
-        stages = 3 if crowded else 5
-        return Config(block_q, block_m, block_n, splits, num_warps=4, num_stages=stages)
+        return Config(block_q, block_m, block_n, splits, num_warps=4, num_stages=5)
     if itemsize > 2:  # float32 dots run on FMA units: sized to fit, not tuned
         block_m, block_n, num_warps, num_stages = 64, 16, 4, 3
     elif wide == 256:  # head_dim <= 128: fastest of the H100 sweep for 8 x 512 and 1 x 4096
