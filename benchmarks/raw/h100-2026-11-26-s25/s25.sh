@@ -107,4 +107,7 @@ for l in open('$OUT/latency.jsonl'):
     d = json.loads(l); print(d['tree'], d['batch_size'], round(d['tpot_ms'], 3), round(d['ratio_to_floor'], 3))
 "
   ;;
+finaltests)  # the final code (n7 = 9213624): kernel and engine-graph GPU tests
+  TESTS_S=400 gputests n7 tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py
+  ;;
 esac
