@@ -193,6 +193,11 @@ def _server_ttft_mean(metrics: str) -> float:
     return values["sum"] / max(values["count"], 1)
 
 
+def _rounded(value: float | None) -> float | None:
+    """bench serve's statistic to 0.01; None (a distribution with no values) stays None."""
+    return value if value is None else round(value, 2)
+
+
 def _ms(values: list[float]) -> dict:
     return {
         "mean": round(statistics.fmean(values) * 1e3, 1),
@@ -230,7 +235,7 @@ def measure(args: argparse.Namespace, bench_args: list[str]) -> dict:
     return {
         "core_ttft_ms": _ms(core),
         "server_ttft_mean_ms": round(server_mean * 1e3, 1),
-        "client": {k: round(v, 2) for k, v in client.items() if k[:4] in ("ttft", "itl_")},
+        "client": {k: _rounded(v) for k, v in client.items() if k[:4] in ("ttft", "itl_")},
     }
 
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -174,3 +178,22 @@ def test_each_user_is_connected_before_the_load_starts():
 
     opened, requests = asyncio.run(main())
     assert opened == 3 and all(r.startswith(b"GET /v1/models ") for r in requests)
+
+
+def test_the_serving_path_benchmark_times_each_layer(tmp_path):
+    """benchmarks/serve_path.py (the real HTTP process and client around a scripted core) runs,
+    and each layer's time to first token contains the one inside it: the core's clock starts
+    after the HTTP process's and stops before it, the client's outside both."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parent.parent / "benchmarks" / "serve_path.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--port", str(port), "--num-prompts", "6",
+         "--input-len", "64", "--output-len", "4", "--prefill-ms", "20"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": "."},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    core, server = result["core_ttft_ms"]["mean"], result["server_ttft_mean_ms"]
+    assert 0 < core < server < result["client"]["ttft_ms_mean"]
