@@ -38,6 +38,7 @@ from ostinato.outputs import RequestOutput
 
 MODEL = "random:qwen3-0.6b"
 TIMETABLE_ENV = "OSTINATO_SERVE_PATH_TIMETABLE"  # the scripted core's arguments, as JSON
+BENCH_TIMEOUT = 600  # seconds the load may take before the measurement fails
 
 
 @dataclass
@@ -193,6 +194,17 @@ def _server_ttft_mean(metrics: str) -> float:
     return values["sum"] / max(values["count"], 1)
 
 
+def _stop(server: subprocess.Popen) -> None:
+    """SIGINT (the server stops its core and exits), then SIGKILL if it has not within 30 s:
+    the core dies with it (PR_SET_PDEATHSIG), so nothing outlives the measurement."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def _rounded(value: float | None) -> float | None:
     """bench serve's statistic to 0.01; None (a distribution with no values) stays None."""
     return value if value is None else round(value, 2)
@@ -223,13 +235,12 @@ def measure(args: argparse.Namespace, bench_args: list[str]) -> dict:
             bench = subprocess.run(
                 [sys.executable, "-m", "ostinato.cli", "bench", "serve", "--model", MODEL,
                  "--base-url", base, "--json", *bench_args],
-                env=env, capture_output=True, text=True, check=True,
+                env=env, capture_output=True, text=True, check=True, timeout=BENCH_TIMEOUT,
             )  # fmt: skip
             client = json.loads(bench.stdout.strip().splitlines()[-1])
             server_mean = _server_ttft_mean(_get(base + "/metrics"))
         finally:
-            server.send_signal(signal.SIGINT)
-            server.wait(30)
+            _stop(server)
         with open(core_out) as f:
             core = json.load(f)["core_ttft_s"]
     return {

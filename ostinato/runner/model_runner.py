@@ -41,7 +41,7 @@ from ostinato.runner.sampler import (
     warm_up_rows,
 )
 from ostinato.runner.step import StepInput, build_step, dummy_step
-from ostinato.structured.bitmask import TokenBitmask
+from ostinato.structured.bitmask import TokenBitmask, words_for
 
 logger = logging.getLogger("ostinato")
 
@@ -197,7 +197,7 @@ class ModelRunner:
                 self.sampler(logits[:rows], warm_up_rows(rows))
             # structured outputs' token bitmask: its kernel does not specialise on the
             # tokenizer's width, which only the grammar library knows, so any width will do
-            mask = TokenBitmask.for_rows([0], -(-self.hf_config.vocab_size // 32))
+            mask = TokenBitmask.for_rows([0], words_for(self.hf_config.vocab_size))
             mask.bits[:] = -1
             self.sampler(logits[:1], warm_up_rows(1), mask)
 

@@ -52,6 +52,11 @@ class TokenBitmask:
         return self.split()[1]
 
 
+def words_for(vocab: int) -> int:
+    """int32 words a row needs for one bit per id of a vocab of this size."""
+    return -(-vocab // 32)
+
+
 def _bits_start(num_rows: int) -> int:
     """Where the bits begin: after the rows, at a 16-byte boundary. On the device both views
     are then 16-byte aligned whatever the row count, so the bitmask kernel, which Triton
@@ -87,7 +92,7 @@ def fill_bitmask(
         start += 1 + len(drafts)
     if not listed:
         return None
-    mask = TokenBitmask.for_rows(listed, -(-tokenizer_vocab // 32))
+    mask = TokenBitmask.for_rows(listed, words_for(tokenizer_vocab))
     bits = mask.bits
     row_bytes = bits.shape[1] * 4
     if len(plain) > 1 and tokenizer_vocab >= PARALLEL_FROM_VOCAB:  # one call over its threads
