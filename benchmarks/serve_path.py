@@ -235,8 +235,10 @@ def measure(args: argparse.Namespace, bench_args: list[str]) -> dict:
             bench = subprocess.run(
                 [sys.executable, "-m", "ostinato.cli", "bench", "serve", "--model", MODEL,
                  "--base-url", base, "--json", *bench_args],
-                env=env, capture_output=True, text=True, check=True, timeout=BENCH_TIMEOUT,
+                env=env, capture_output=True, text=True, timeout=BENCH_TIMEOUT,
             )  # fmt: skip
+            if bench.returncode != 0:  # e.g. a bad bench flag: bench serve's own message
+                raise SystemExit(f"serve_path.py: bench serve failed: {bench.stderr.strip()}")
             client = json.loads(bench.stdout.strip().splitlines()[-1])
             server_mean = _server_ttft_mean(_get(base + "/metrics"))
         finally:
