@@ -405,6 +405,7 @@ def bench_startup(engine: LLMEngine, build_s: float, args, bandwidth: float | No
             "capture": engine.config.cuda_graph_capture,
             "startup_s": build_s,
             "load_s": build_s - capture_s - warm_up_s,
+            **{f"{phase}_s": s for phase, s in report["start_up_seconds"].items()},
             "capture_s": capture_s,
             "warm_up_s": warm_up_s,
             "num_graphs": num_graphs,

@@ -33,6 +33,8 @@ def test_cli_bench_json_lines(capsys):
     assert [r["capture"] for r in lines] == ["eager", "lazy"]
     for r in lines:
         assert r["num_graphs"] == r["graphs_after_first_request"] == 0 and r["load_s"] > 0
+        phases = r["weights_s"] + r["kv_sizing_s"] + r["kv_cache_s"]  # the runner's own
+        assert r["weights_s"] > 0 and phases < r["load_s"]
         assert r["warm_up_s"] == 0  # the eager warm-up compiles GPU kernels only
         assert 0 < r["ttft_after_start_s"] < r["first_request_s"]
 

@@ -1,6 +1,7 @@
 """The engine on the tiny model: bad input, sampling, stopping, aborts, the CLI."""
 
 import pytest
+import torch
 
 from ostinato import LLM, SamplingParams
 from ostinato.cli import main
@@ -185,6 +186,36 @@ def test_cpu_report_counts_eager_steps():
     assert report["requested_mode"] == "piecewise" and report["cuda_graph_mode"] == "none"
     assert report["steps"]["none"] == 3 and report["steps"]["full"] == 0
     assert report["captured"] == {"full": [], "piecewise": []}
+
+
+def test_the_lm_head_sees_only_the_row_counts_start_up_warms(monkeypatch):
+    """cuBLAS loads a kernel at a row count's first use: the LM head runs over a few padded
+    counts, and start-up's tail warm-up runs each of them once."""
+    llm = LLM("tiny", device="cpu", max_num_seqs=24, max_num_batched_tokens=512, max_model_len=512)
+    runner, seen = llm.engine.runner, []
+    compute_logits = runner.model.compute_logits
+    monkeypatch.setattr(
+        runner.model, "compute_logits", lambda h: seen.append(len(h)) or compute_logits(h)
+    )
+    runner._warm_up_tail()
+    warmed, seen[:] = set(seen), []
+    params = [SamplingParams(max_tokens=1 + i % 9, ignore_eos=True) for i in range(23)]
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=0)
+    llm.generate([[7 + i] * (2 + i) for i in range(23)] + [[3] * 300], [*params, scored])
+    assert len(set(seen)) > 4 and set(seen) <= warmed, sorted(set(seen) - warmed)
+    assert len(warmed) == 16  # 1, 2, 3, 4, 6, 8, ..., 192, 256: not every count up to 256
+
+
+def test_padded_lm_head_rows_leave_each_requests_logits_alone(llm):
+    """The padding rows hold whatever earlier steps left; the real rows' logits are those of
+    the LM head over exactly the sampled positions."""
+    runner = llm.engine.runner
+    hidden = torch.randn(40, runner.hf_config.hidden_size)
+    runner.head_input.normal_(std=1e3)
+    runner.buffers.device["logits_indices"][:11] = torch.arange(39, 17, -2)
+    want = runner.model.compute_logits(hidden[torch.arange(39, 17, -2)])
+    torch.testing.assert_close(runner._logits(hidden, 0, 11), want)
+    torch.testing.assert_close(runner._logits(hidden, 2, 11), want[2:])
 
 
 def test_max_model_len_defaults_to_the_model_and_rejects_more(tmp_path):

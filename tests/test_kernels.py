@@ -6,7 +6,12 @@ tensors written in place keep their fences, so a write outside them fails too.""
 import copy
 import functools
 import importlib
+import json
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -840,15 +845,39 @@ def test_graph_captures_and_warm_ups_neither_take_nor_fill_the_eager_cache(monke
     assert steps.merged == [True, False, False]
 
 
-def test_triton_key_is_hashed_in_the_background_and_cached_for_the_first_kernel():
-    from triton.runtime import cache
-
-    from ostinato.kernels.triton_key import hash_in_background
-
-    cache.triton_key.cache_clear()
-    thread = hash_in_background()
+TRITON_KEY_RUN = """
+import json
+from triton.runtime import cache
+from ostinato.kernels import triton_key
+hashing = cache.triton_key
+thread = triton_key.prepare()
+if thread is not None:
     thread.join()
-    assert thread.name == "triton-key" and cache.triton_key.cache_info().currsize == 1
-    hits = cache.triton_key.cache_info().hits
-    cache.triton_key()  # what the first compile or cache lookup calls
-    assert cache.triton_key.cache_info().hits == hits + 1
+key = cache.triton_key()  # what the first compile or disk-cache lookup calls
+saved = str(triton_key.saved_key_path())
+print(json.dumps([thread is not None, hashing.cache_info().misses, key, saved]))
+"""
+
+
+def test_triton_key_is_hashed_once_per_install_then_read_back(tmp_path):
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    run = [sys.executable, "-c", TRITON_KEY_RUN]
+    first, second = (json.loads(subprocess.check_output(run, env=env)) for _ in range(2))
+    assert first[:2] == [True, 1]  # hashed in a thread, into triton_key's own cache
+    assert Path(first[3]).read_text() == first[2] and Path(first[3]).parent == tmp_path
+    assert second == [False, 0, first[2], first[3]]  # read back, never hashed
+
+
+def test_the_saved_triton_key_is_named_by_every_file_of_the_install(tmp_path):
+    from ostinato.kernels.triton_key import saved_key_path
+
+    (tmp_path / "_C").mkdir()
+    (tmp_path / "_C" / "libtriton.so").write_bytes(b"build one")
+    (tmp_path / "cache.py").write_text("x = 1")
+    named = saved_key_path(tmp_path)
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "cache.pyc").write_bytes(b"imports write these")
+    assert saved_key_path(tmp_path) == named
+    (tmp_path / "_C" / "libtriton.so").write_bytes(b"build two")  # same size, newer
+    os.utime(tmp_path / "_C" / "libtriton.so", ns=(1, 1))
+    assert saved_key_path(tmp_path) != named

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -89,14 +90,16 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        hashing = triton_key.hash_in_background() if config.is_cuda else None
+        self.start_up_seconds: dict[str, float] = {}  # weights, kv_sizing, kv_cache
+        hashing = triton_key.prepare() if config.is_cuda else None
         allocated_before = torch.cuda.memory_allocated() if config.is_cuda else 0
         layers = stage_layers(
             hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition
         )[self.rank.pp_rank]
-        self.model = load_model(config, hf_config, (layers.start, layers.stop))
-        if hashing is not None:
-            hashing.join()
+        with self._timed("weights"):
+            self.model = load_model(config, hf_config, (layers.start, layers.stop))
+            if hashing is not None:
+                hashing.join()
         # the stage's first large collectives follow (the KV sizing's peak step): wait for
         # the stage's slowest loader here, under a start-up deadline, not inside them
         tp_group().wait_for_peers(startup_timeout(config.distributed_timeout))
@@ -123,6 +126,10 @@ class ModelRunner:
             self.intermediate = IntermediateTensors(
                 hidden.to(self.device), torch.zeros_like(hidden, device=self.device)
             )
+        self.head_input = None  # the LM head's padded input rows (last stage)
+        if self.rank.is_last_stage:
+            shape = (head_rows(self._most_logits_rows()), hf_config.hidden_size)
+            self.head_input = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
         self.static_bytes = (
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
@@ -136,12 +143,23 @@ class ModelRunner:
         self.num_graph_checks = 0
         self.graph_memory_budget = 0  # bytes the KV sizing left for graphs (CUDA only)
         self.warm_up_seconds = 0.0  # start-up's eager warm-up batches (_eager_warm_up)
-        self.num_blocks = self._count_kv_blocks()
+        with self._timed("kv_sizing"):
+            self.num_blocks = self._count_kv_blocks()
+
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Seconds of one start-up phase, its device work included, in start_up_seconds."""
+        start = time.perf_counter()
+        yield
+        if self.config.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.start_up_seconds[phase] = time.perf_counter() - start
 
     def start(self, num_blocks: int | None = None) -> None:
         """Allocate the KV cache (num_blocks: the count every rank agreed on) and capture."""
         self.num_blocks = num_blocks or self.num_blocks
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        with self._timed("kv_cache"):
+            self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         if self.graphs.mode is not CudaGraphMode.NONE:
             self.graphs.capture(self._forward_desc, self._fill_dummy_desc, self._graph_inputs)
         if self.config.is_cuda and not self.graphs.lazy:
@@ -175,23 +193,28 @@ class ModelRunner:
             self.warm_up_seconds,
         )
 
+    def _most_sampling_rows(self) -> int:
+        """A row per request and one per draft token, within the step's token budget."""
+        c = self.config
+        return min(c.max_num_seqs * (1 + c.num_speculative_tokens), c.max_num_batched_tokens)
+
+    def _most_logits_rows(self) -> int:
+        """The LM head's most rows in one pass: the sampling rows or a chunk of scored
+        prompt positions."""
+        most = max(self._most_sampling_rows(), PROMPT_LOGITS_ROWS)
+        return min(most, self.config.max_num_batched_tokens)
+
     def _warm_up_tail(self) -> None:
         """The LM head and the sampler run outside every graph. Launch the LM head once per
-        row count a step can sample (cuBLAS loads the kernel it picks for a count on first
-        use) and the sampler at the fewest and the most rows with every kind of request, and
-        once with a token bitmask, so their kernels are compiled and loaded and the caching
-        allocator holds their blocks before the first request. Without this the first burst
-        after start-up (80 prompts) waited about 60 ms longer for its first tokens than the
-        next (benchmarks/h100-2026-11-26-s25.md)."""
-        most = min(
-            self.config.max_num_seqs * (1 + self.config.num_speculative_tokens),
-            self.config.max_num_batched_tokens,
-        )
-        hidden = torch.zeros(
-            most, self.hf_config.hidden_size, dtype=self.config.torch_dtype, device=self.device
-        )
-        for rows in range(1, most + 1):  # every rank: tensor parallelism gathers the logits
-            logits = self.model.compute_logits(hidden[:rows])
+        row count it can see (cuBLAS loads the kernel it picks for a count on first use) and
+        the sampler at the fewest and the most rows with every kind of request, and once with
+        a token bitmask, so their kernels are compiled and loaded and the caching allocator
+        holds their blocks before the first request. Without this the first burst after
+        start-up (80 prompts) waited about 60 ms longer for its first tokens than the next
+        (benchmarks/h100-2026-11-26-s25.md)."""
+        for rows in sorted({head_rows(n) for n in range(1, self._most_logits_rows() + 1)}):
+            logits = self.model.compute_logits(self.head_input[:rows])  # every tensor rank
+        most = self._most_sampling_rows()
         if tp_group().rank == 0:
             for rows in sorted({min(3, most), most}):  # from 3 rows on, every path is taken
                 self.sampler(logits[:rows], warm_up_rows(rows))
@@ -367,7 +390,13 @@ class ModelRunner:
         return self.samples.latest()
 
     def _logits(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        return self.model.compute_logits(hidden[self.buffers.device["logits_indices"][start:stop]])
+        """The logits of the step's logits indices [start, stop). The LM head runs over
+        head_rows(stop - start) rows (the padding rows hold earlier values; their logits are
+        dropped): a few row counts instead of every one, so start-up warms each once."""
+        n = stop - start
+        indices = self.buffers.device["logits_indices"][start:stop]
+        torch.index_select(hidden, 0, indices, out=self.head_input[:n])
+        return self.model.compute_logits(self.head_input[: head_rows(n)])[:n]
 
     def _prompt_scores(self, hidden: torch.Tensor, step: StepInput) -> PromptScores:
         """Logprobs of the prompt positions the step scores (the logits rows after the
@@ -446,6 +475,7 @@ class ModelRunner:
             **self.graphs.report(),
             "graph_memory_budget_bytes": self.graph_memory_budget,
             "eager_warm_up_seconds": self.warm_up_seconds,
+            "start_up_seconds": dict(self.start_up_seconds),
         }
 
     def _run_dummy(self, num_tokens: int) -> None:
@@ -457,8 +487,19 @@ class ModelRunner:
         self.buffers.load(self._dummy(num_tokens, num_reqs, num_loras))
         out = self._forward(num_tokens, num_reqs, num_loras)
         if self.rank.is_last_stage:
-            rows = min(num_tokens, num_reqs * (1 + self.config.num_speculative_tokens))
+            rows = head_rows(min(num_tokens, num_reqs * (1 + self.config.num_speculative_tokens)))
             self.model.compute_logits(out[:rows]).float().softmax(dim=-1)
+
+
+def head_rows(num_rows: int) -> int:
+    """The rows the LM head runs over for num_rows: the smallest power of two or three
+    quarters of one (1, 2, 3, 4, 6, 8, 12, ..., 192, 256) that holds them. cuBLAS loads a new
+    kernel at the first use of many counts (3-28 ms each on the H100; 48 of the 256 counts
+    up to 256 did), so the head sees 16 counts instead, each warmed at start-up; up to 256
+    rows the head reads its weight once whatever the rows, so padding costs nothing
+    measurable (benchmarks/h100-2026-11-26-s26.md)."""
+    power = 1 << (num_rows - 1).bit_length()
+    return 3 * power // 4 if num_rows <= 3 * power // 4 else power
 
 
 def release_memory() -> None:
