@@ -206,6 +206,21 @@ def test_the_lm_head_sees_only_the_row_counts_start_up_warms(monkeypatch):
     assert len(warmed) == 16  # 1, 2, 3, 4, 6, 8, ..., 192, 256: not every count up to 256
 
 
+def test_the_tail_warm_up_ranks_logits_both_ways_top_k_and_nucleus(llm, monkeypatch):
+    """A batch whose filters all have a top_k ranks its candidates (topk); one with a top-p
+    alone sorts the vocabulary: start-up takes both, so neither loads kernels mid-serving."""
+    ranked = []
+    for name in ("sort", "topk"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor,
+            name,
+            lambda t, *a, _m=method, _n=name, **k: ranked.append(_n) or _m(t, *a, **k),
+        )
+    llm.engine.runner._warm_up_tail()
+    assert {"sort", "topk"} <= set(ranked)
+
+
 def test_padded_lm_head_rows_leave_each_requests_logits_alone(llm):
     """The padding rows hold whatever earlier steps left; the real rows' logits are those of
     the LM head over exactly the sampled positions."""

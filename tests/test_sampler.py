@@ -62,6 +62,29 @@ def test_top_k_and_top_p_masks_match_a_brute_force_loop():
         assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])  # values untouched
 
 
+def test_a_batch_whose_filters_all_have_a_top_k_ranks_only_those_candidates(monkeypatch):
+    """No sort of the whole vocabulary when every filtering row has a top_k; rows that filter
+    nothing keep every logit."""
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(21, 40, generator=gen, dtype=torch.float64).float() * 2
+    settings = [(k, p) for k in (1, 3, 9, 30) for p in (1.0, 0.9, 0.5, 0.05)] + [(-1, 1.0)] * 5
+    rows = [
+        SamplingRow(f"r{i}", SamplingParams(top_k=k, top_p=p), 0)
+        for i, (k, p) in enumerate(settings)
+    ]
+    from ostinato.runner.sampler import _top_k_top_p
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("sorted the whole vocabulary")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    masked = _top_k_top_p(logits, rows)
+    for i, (k, p) in enumerate(settings):
+        kept = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
+        assert kept == kept_by_loop(logits[i].double().tolist(), k, p), (k, p)
+        assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+
+
 def test_sampled_frequencies_follow_softmax_of_logits_over_temperature():
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
     n = 20_000

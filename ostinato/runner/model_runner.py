@@ -39,6 +39,7 @@ from ostinato.runner.sampler import (
     SampledTokens,
     Sampler,
     SamplerOutput,
+    nucleus_rows,
     warm_up_rows,
 )
 from ostinato.runner.step import StepInput, build_step, dummy_step
@@ -218,6 +219,7 @@ class ModelRunner:
         if tp_group().rank == 0:
             for rows in sorted({min(3, most), most}):  # from 3 rows on, every path is taken
                 self.sampler(logits[:rows], warm_up_rows(rows))
+                self.sampler(logits[:rows], nucleus_rows(rows))
             # structured outputs' token bitmask: its kernel does not specialise on the
             # tokenizer's width, which only the grammar library knows, so any width will do
             mask = TokenBitmask.for_rows([0], words_for(self.hf_config.vocab_size))

@@ -67,4 +67,11 @@ final)  # n3 (the session's code): start-up interleaved with s0, capture_time on
 tests)  # n3: the GPU tests (one GPU)
   TESTS_S=560 gputests n3 $(ls .gpu/n3/tests/gpu/test_*.py | grep -v test_parallel | sed 's|.gpu/n3/||')
   ;;
+sampler)  # n4 (= n3 + top-k candidates ranked without a sort): the sampler's cost s0 / n4, start-up, the sampling GPU tests
+  for t in s0 n4; do (cd .gpu/$t && timeout 120 python3 ../sampler_cost.py $t 2>>$OUT/err.txt | tee -a $OUT/sampler.txt); done
+  startup n4 > /dev/null
+  for r in 1 2 3; do startup n4; done
+  medians | tee $OUT/medians.txt
+  TESTS_S=300 gputests n4 tests/gpu/test_sampling_params_gpu.py tests/gpu/test_warm_up.py tests/gpu/test_async_graphs.py
+  ;;
 esac
