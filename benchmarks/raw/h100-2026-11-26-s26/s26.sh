@@ -74,4 +74,7 @@ sampler)  # n4 (= n3 + top-k candidates ranked without a sort): the sampler's co
   medians | tee $OUT/medians.txt
   TESTS_S=300 gputests n4 tests/gpu/test_sampling_params_gpu.py tests/gpu/test_warm_up.py tests/gpu/test_async_graphs.py
   ;;
+linear)  # host time of F.linear and a Triton launch, eager and under capture
+  (cd .gpu/n4 && timeout 120 python3 ../linear_host.py 2>>$OUT/err.txt | tee $OUT/linear.txt)
+  ;;
 esac
