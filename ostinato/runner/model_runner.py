@@ -496,10 +496,10 @@ class ModelRunner:
 def head_rows(num_rows: int) -> int:
     """The rows the LM head runs over for num_rows: the smallest power of two or three
     quarters of one (1, 2, 3, 4, 6, 8, 12, ..., 192, 256) that holds them. cuBLAS loads a new
-    kernel at the first use of many counts (3-28 ms each on the H100; 48 of the 256 counts
-    up to 256 did), so the head sees 16 counts instead, each warmed at start-up; up to 256
-    rows the head reads its weight once whatever the rows, so padding costs nothing
-    measurable (benchmarks/h100-2026-11-26-s26.md)."""
+    kernel at the first use of many counts (3-28 ms each on the H100: 1, 9, 17, 25, 33, 48,
+    56, 64, 72, 96, 128, 129 and 200 of the 25 counts tried), so the head sees 16 counts,
+    each warmed at start-up; up to 256 rows the head reads its weight once whatever the rows,
+    so padding costs nothing measurable (benchmarks/h100-2026-11-26-s26.md)."""
     power = 1 << (num_rows - 1).bit_length()
     return 3 * power // 4 if num_rows <= 3 * power // 4 else power
 

@@ -280,7 +280,7 @@ def _top_k_top_p(logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus. Only the
     candidates that some row may keep are ranked: the largest top_k of the rows that filter,
     unless one asks for top-p alone (then the whole vocabulary is sorted). A full sort of 256
-    rows of 151,936 logits took 6.4 ms on the H100, as long as the decode step itself."""
+    rows of 151,936 logits takes 6.2 ms on the H100, as long as the decode step itself."""
     device = logits.device
     vocab = logits.shape[1]
     filters = [s.params.top_k > 0 or s.params.top_p < 1.0 for s in seqs]
