@@ -23,6 +23,9 @@ def timed(owner, name, key=None):
     setattr(owner, name, wrapper)
 
 timed(cap.GraphRunner, "_capture_warm", lambda a: f"capture {a[1].value}" + (" prefill" if a[2].num_reqs and a[2].num_tokens > a[2].num_reqs else ""))
+warmed = []
+_warm_up = cap.GraphRunner._warm_up
+cap.GraphRunner._warm_up = lambda self, desc, fn: warmed.append(str(desc)) or _warm_up(self, desc, fn)
 timed(cap.GraphRunner, "_warm_up")
 timed(torch.cuda.CUDAGraph, "capture_end")
 timed(torch.cuda.CUDAGraph, "capture_begin")
@@ -39,3 +42,4 @@ r = llm.graph_report()
 print(f"startup {total:.3f} s; phases {json.dumps({k: round(v, 3) for k, v in r['start_up_seconds'].items()})}; capture {r['capture_seconds']:.3f}; warm-up {r['eager_warm_up_seconds']:.3f}")
 for k in sorted(acc, key=acc.get, reverse=True):
     print(f"{acc[k]:8.3f} s {cnt[k]:6d} x  {acc[k] / cnt[k] * 1e3:8.3f} ms  {k}")
+print("warm-ups before captures:", warmed)

@@ -77,4 +77,9 @@ sampler)  # n4 (= n3 + top-k candidates ranked without a sort): the sampler's co
 linear)  # host time of F.linear and a Triton launch, eager and under capture
   (cd .gpu/n4 && timeout 120 python3 ../linear_host.py 2>>$OUT/err.txt | tee $OUT/linear.txt)
   ;;
+kvrec)  # n5 = n4 + the KV sizing's step recorded as warm: the new GPU test on n5 and on n4 (must fail); capture_time n4 / n5 twice
+  TESTS_S=200 gputests n5 "tests/gpu/test_warm_up.py::test_the_kv_sizing_step_warms_the_largest_graph"
+  TESTS_S=200 gputests n4 "tests/gpu/test_warm_up.py::test_the_kv_sizing_step_warms_the_largest_graph"
+  for t in n4 n5 n4 n5; do echo "== $t"; (cd .gpu/$t && timeout 100 python3 ../capture_time.py 2>>$OUT/err.txt | tee -a $OUT/ctime-$t.txt | grep -E "startup|_warm_up|warm-ups|capture piecewise"); done
+  ;;
 esac
