@@ -206,19 +206,18 @@ def test_the_lm_head_sees_only_the_row_counts_start_up_warms(monkeypatch):
     assert len(warmed) == 16  # 1, 2, 3, 4, 6, 8, ..., 192, 256: not every count up to 256
 
 
-def test_the_tail_warm_up_ranks_logits_both_ways_top_k_and_nucleus(llm, monkeypatch):
+def test_the_tail_warm_up_takes_both_top_k_and_nucleus_masks(llm, monkeypatch):
     """A batch whose filters all have a top_k ranks its candidates (topk); one with a top-p
-    alone sorts the vocabulary: start-up takes both, so neither loads kernels mid-serving."""
-    ranked = []
-    for name in ("sort", "topk"):
-        method = getattr(torch.Tensor, name)
-        monkeypatch.setattr(
-            torch.Tensor,
-            name,
-            lambda t, *a, _m=method, _n=name, **k: ranked.append(_n) or _m(t, *a, **k),
-        )
+    alone takes the nucleus mask (kernels/nucleus.py): start-up takes both, so neither loads
+    kernels mid-serving."""
+    from ostinato.runner import sampler
+
+    taken = []
+    topk, top_p_mask = torch.Tensor.topk, sampler.top_p_mask
+    monkeypatch.setattr(torch.Tensor, "topk", lambda *a, **k: taken.append("topk") or topk(*a, **k))
+    monkeypatch.setattr(sampler, "top_p_mask", lambda *a: taken.append("nucleus") or top_p_mask(*a))
     llm.engine.runner._warm_up_tail()
-    assert {"sort", "topk"} <= set(ranked)
+    assert {"topk", "nucleus"} <= set(taken)
 
 
 def test_padded_lm_head_rows_leave_each_requests_logits_alone(llm):

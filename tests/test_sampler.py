@@ -85,6 +85,58 @@ def test_a_batch_whose_filters_all_have_a_top_k_ranks_only_those_candidates(monk
         assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
 
 
+def test_the_nucleus_kernel_keeps_what_the_brute_force_loop_keeps(monkeypatch):
+    """A batch with a top-p-only row masks by the nucleus kernel (under the interpreter here),
+    after each row's top-k: no sort, the same tokens as the loop, over several blocks."""
+    from ostinato.runner.sampler import _top_k_top_p
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(18, 150, generator=gen, dtype=torch.float64).float() * 3
+    settings = [(k, p) for k in (-1, 2, 40) for p in (1.0, 0.97, 0.6, 0.2, 0.05, 0.4)]
+    rows = [
+        SamplingRow(f"r{i}", SamplingParams(top_k=k, top_p=p), 0)
+        for i, (k, p) in enumerate(settings)
+    ]
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("sorted the whole vocabulary")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    masked = _top_k_top_p(logits, rows)
+    for i, (k, p) in enumerate(settings):
+        kept = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
+        assert kept == kept_by_loop(logits[i].double().tolist(), k, p), (k, p)
+        assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+
+
+def test_the_nucleus_kernel_equals_its_torch_twin_around_masked_tokens(monkeypatch):
+    """Tokens already masked (-inf: min-p, a bitmask) carry no mass, also where a whole block
+    of them starts the row."""
+    from ostinato.kernels.nucleus import top_p_mask, top_p_mask_torch
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 301, generator=gen) * 2
+    logits[1, :130] = float("-inf")
+    logits[4, 37:250] = float("-inf")
+    top_p = torch.tensor([0.9, 0.99, 0.5, 1.0, 0.8, 0.01])
+    want = top_p_mask_torch(logits, top_p)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert torch.equal(top_p_mask(logits, top_p), want)
+
+
+def test_the_nucleus_search_narrows_every_bit_pattern_of_0_to_1_down_to_one():
+    """Each pass keeps ceil(1 / (SPLITS + 1)) of the interval: PASSES must reach one pattern
+    (a threshold a few patterns off keeps the same tokens in most rows, so the masks above
+    would not notice)."""
+    from ostinato.kernels import nucleus
+
+    length, passes = nucleus.ONE_BITS + 1, 0  # from -1 (below 0.0) to 1.0's bits
+    while length > 1:
+        length, passes = -(-length // (nucleus.SPLITS + 1)), passes + 1
+    assert passes <= nucleus.PASSES
+
+
 def test_sampled_frequencies_follow_softmax_of_logits_over_temperature():
     logits = torch.tensor([1.0, 0.0, -1.0, 0.5])
     n = 20_000

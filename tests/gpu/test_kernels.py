@@ -14,6 +14,7 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays, rows_pay
+from ostinato.kernels.nucleus import _top_p_mask_triton, top_p_mask_torch
 from ostinato.kernels.paged_attention import choose_config
 from ostinato.kernels.rope_store import rope_and_store_torch
 
@@ -89,6 +90,27 @@ def test_silu_and_mul_bf16():
     x = torch.randn(2048, 2 * 14336, device="cuda", dtype=BF16)
     gate, up = x.double().chunk(2, dim=-1)
     assert_rel(silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_nucleus_mask_keeps_what_a_sort_keeps(rows):
+    """kernels/nucleus.py's kernel (which top_p_mask takes from KERNEL_MIN_ROWS rows) at
+    Qwen3's vocabulary against the sort-based twin: the same tokens kept, from flat rows (a
+    wide nucleus) to peaked ones, some with masked tokens."""
+    logits = (
+        torch.randn(rows, 151936, device="cuda")
+        * torch.linspace(0.5, 12, rows, device="cuda")[:, None]
+    )
+    logits[::3, : 151936 // 3] = float("-inf")
+    top_p = torch.tensor([0.9, 0.95, 0.5, 1.0, 0.999, 0.01, 0.7], device="cuda").repeat(rows)[:rows]
+    got = _top_p_mask_triton(logits, top_p)
+    want = top_p_mask_torch(logits, top_p)
+    kept, wanted = torch.isfinite(got), torch.isfinite(want)
+    assert torch.equal(got[kept], logits[kept])
+    # float32 sums of up to 151,936 terms in another order (~2e-5 apart in a flat row, three
+    # tokens' worth) may move a boundary by a few tokens
+    moved = (kept != wanted).sum(dim=-1)
+    assert (moved <= 16).all(), moved
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 8, 17, 32])

@@ -82,4 +82,16 @@ kvrec)  # n5 = n4 + the KV sizing's step recorded as warm: the new GPU test on n
   TESTS_S=200 gputests n4 "tests/gpu/test_warm_up.py::test_the_kv_sizing_step_warms_the_largest_graph"
   for t in n4 n5 n4 n5; do echo "== $t"; (cd .gpu/$t && timeout 100 python3 ../capture_time.py 2>>$OUT/err.txt | tee -a $OUT/ctime-$t.txt | grep -E "startup|_warm_up|warm-ups|capture piecewise"); done
   ;;
+nucleus)  # n6 = n4 + the nucleus kernel for top-p alone: its GPU test, the sampler's cost n4 / n6, sampling GPU tests
+  TESTS_S=200 gputests n6 "tests/gpu/test_kernels.py::test_nucleus_mask_keeps_what_a_sort_keeps"
+  for t in n4 n6; do (cd .gpu/$t && timeout 120 python3 ../sampler_cost.py $t 2>>$OUT/err.txt | tee -a $OUT/sampler.txt); done
+  TESTS_S=300 gputests n6 tests/gpu/test_sampling_params_gpu.py tests/gpu/test_warm_up.py tests/gpu/test_structured_gpu.py
+  ;;
+ncost)  # the nucleus kernel by rows and SPLITS against the sort (n6)
+  (cd .gpu/n6 && timeout 200 python3 ../nucleus_cost.py 2>>$OUT/err.txt | tee $OUT/ncost.txt)
+  ;;
+nucleus2)  # n7 = n6 with SPLITS 8 x 10 passes and a sort below 64 rows: GPU tests, the sampler's cost n4 / n7
+  TESTS_S=300 gputests n7 "tests/gpu/test_kernels.py::test_nucleus_mask_keeps_what_a_sort_keeps" tests/gpu/test_sampling_params_gpu.py tests/gpu/test_warm_up.py
+  for t in n4 n7; do (cd .gpu/$t && timeout 120 python3 ../sampler_cost.py $t 2>>$OUT/err.txt | tee -a $OUT/sampler.txt); done
+  ;;
 esac
