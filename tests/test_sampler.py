@@ -62,52 +62,44 @@ def test_top_k_and_top_p_masks_match_a_brute_force_loop():
         assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])  # values untouched
 
 
+def assert_masks_without_sorting_as_the_loop(logits, settings, monkeypatch):
+    """_top_k_top_p over rows of (top_k, top_p) settings keeps what kept_by_loop keeps, values
+    untouched, and never sorts a whole row."""
+    from ostinato.runner.sampler import _top_k_top_p
+
+    rows = [
+        SamplingRow(f"r{i}", SamplingParams(top_k=k, top_p=p), 0)
+        for i, (k, p) in enumerate(settings)
+    ]
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("sorted the whole vocabulary")
+
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    masked = _top_k_top_p(logits, rows)
+    for i, (k, p) in enumerate(settings):
+        kept = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
+        assert kept == kept_by_loop(logits[i].double().tolist(), k, p), (k, p)
+        assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+
+
 def test_a_batch_whose_filters_all_have_a_top_k_ranks_only_those_candidates(monkeypatch):
-    """No sort of the whole vocabulary when every filtering row has a top_k; rows that filter
+    """Every filtering row has a top_k: only the candidates are ranked; rows that filter
     nothing keep every logit."""
     gen = torch.Generator().manual_seed(6)
     logits = torch.randn(21, 40, generator=gen, dtype=torch.float64).float() * 2
     settings = [(k, p) for k in (1, 3, 9, 30) for p in (1.0, 0.9, 0.5, 0.05)] + [(-1, 1.0)] * 5
-    rows = [
-        SamplingRow(f"r{i}", SamplingParams(top_k=k, top_p=p), 0)
-        for i, (k, p) in enumerate(settings)
-    ]
-    from ostinato.runner.sampler import _top_k_top_p
-
-    def no_sort(*args, **kwargs):
-        raise AssertionError("sorted the whole vocabulary")
-
-    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
-    masked = _top_k_top_p(logits, rows)
-    for i, (k, p) in enumerate(settings):
-        kept = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
-        assert kept == kept_by_loop(logits[i].double().tolist(), k, p), (k, p)
-        assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+    assert_masks_without_sorting_as_the_loop(logits, settings, monkeypatch)
 
 
 def test_the_nucleus_kernel_keeps_what_the_brute_force_loop_keeps(monkeypatch):
     """A batch with a top-p-only row masks by the nucleus kernel (under the interpreter here),
-    after each row's top-k: no sort, the same tokens as the loop, over several blocks."""
-    from ostinato.runner.sampler import _top_k_top_p
-
+    after each row's top-k, over several of the kernel's blocks."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(18, 150, generator=gen, dtype=torch.float64).float() * 3
     settings = [(k, p) for k in (-1, 2, 40) for p in (1.0, 0.97, 0.6, 0.2, 0.05, 0.4)]
-    rows = [
-        SamplingRow(f"r{i}", SamplingParams(top_k=k, top_p=p), 0)
-        for i, (k, p) in enumerate(settings)
-    ]
-
-    def no_sort(*args, **kwargs):
-        raise AssertionError("sorted the whole vocabulary")
-
-    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
-    masked = _top_k_top_p(logits, rows)
-    for i, (k, p) in enumerate(settings):
-        kept = set(torch.isfinite(masked[i]).nonzero()[:, 0].tolist())
-        assert kept == kept_by_loop(logits[i].double().tolist(), k, p), (k, p)
-        assert torch.equal(masked[i, sorted(kept)], logits[i, sorted(kept)])
+    assert_masks_without_sorting_as_the_loop(logits, settings, monkeypatch)
 
 
 def test_the_nucleus_kernel_equals_its_torch_twin_around_masked_tokens(monkeypatch):
