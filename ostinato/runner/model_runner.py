@@ -271,7 +271,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.kv_caches = self._allocate_kv_cache(1)
-        self._run_dummy(self.config.max_num_batched_tokens)
+        self._run_dummy()
         torch.cuda.synchronize()
         self.kv_caches = []
         activation = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
@@ -480,16 +480,17 @@ class ModelRunner:
             "start_up_seconds": dict(self.start_up_seconds),
         }
 
-    def _run_dummy(self, num_tokens: int) -> None:
-        """Profile a peak step: forward (through every adapter slot with LoRA), and on the last
-        stage logits and softmax for the most rows a step can sample (a row per request, and
-        one per draft token)."""
+    def _run_dummy(self) -> None:
+        """Profile a peak step of max_num_batched_tokens: forward (through every adapter slot
+        with LoRA), and on the last stage logits and softmax for the most rows a step can
+        sample, padded as the LM head pads them."""
+        num_tokens = self.config.max_num_batched_tokens
         num_reqs = min(self.config.max_num_seqs, num_tokens)
         num_loras = self.config.max_loras if self.lora is not None else 0
         self.buffers.load(self._dummy(num_tokens, num_reqs, num_loras))
         out = self._forward(num_tokens, num_reqs, num_loras)
         if self.rank.is_last_stage:
-            rows = head_rows(min(num_tokens, num_reqs * (1 + self.config.num_speculative_tokens)))
+            rows = head_rows(self._most_sampling_rows())
             self.model.compute_logits(out[:rows]).float().softmax(dim=-1)
 
 
