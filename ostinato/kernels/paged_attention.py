@@ -118,9 +118,12 @@ def _attention_kernel(
     (the combine then skips the row). live_ptr holds each token's live part count. MERGE: no
     combine launch; the last live part of a tile to finish merges the parts, row by row
     (_merge_parts: one compiled variant for every split count; count_ptr: a zeroed count per
-    tile and KV head, set back to 0 by that part)."""
+    tile and KV head, set back to 0 by that part).
+    PDL: lengths, block table and query starts are the host's copies, made before the step's
+    first kernel, so finding the tile's request and KV range overlaps the kernel before this
+    one; q and the cache are read after the wait (qwen3-0.6b's batch-1 decode 0.947 -> 0.932
+    ms on the H100, benchmarks/h100-2026-11-26-s27.md)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,6 +166,8 @@ def _attention_kernel(
     pos = ctx_len + q_idx
     token = (q_start + q_idx).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # q and the KV cache: the kernels before this one write them
     q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     unmasked_hi = (
