@@ -159,15 +159,20 @@ def test_gemv_config_splits_narrow_weights_only():
 def test_engine_takes_the_kernel_up_to_the_row_limits(monkeypatch):
     """rows_pay follows ROW_LIMITS: the first entry holding the weight's size gives its rows,
     a weight larger than every entry takes none; one row only up to MAX_K columns and
-    MAX_WEIGHT_ELEMENTS."""
+    MAX_WEIGHT_ELEMENTS. As measured: llama-3.1-8b's gate|up and down take it at one row."""
+    assert rows_pay(1, 2 * 14336, 4096) and rows_pay(1, 4096, 14336)
+    assert not rows_pay(2, 4096, 14336)
     monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 20, 32), (1 << 24, 4)))
     assert rows_pay(32, 1024, 1024) and not rows_pay(33, 1024, 1024)
     assert rows_pay(4, 1024, 2048) and not rows_pay(5, 1024, 2048)
     assert not rows_pay(1, 4096, 8192)  # over every entry
-    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 30, 8),))
-    assert rows_pay(2, 1024, 8192) and not rows_pay(1, 1024, 8192)  # MAX_K: one row only
-    assert rows_pay(1, 8192, 4096) and not rows_pay(1, 8193, 4096)  # MAX_WEIGHT_ELEMENTS
-    assert rows_pay(8, 8193, 4096)
+    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 40, 8),))
+    max_k, most = gemv_module.MAX_K, gemv_module.MAX_WEIGHT_ELEMENTS
+    assert rows_pay(1, 1024, max_k) and not rows_pay(1, 1024, max_k + 1)  # MAX_K: one row only
+    assert rows_pay(2, 1024, max_k + 1)
+    n = most // 4096
+    assert rows_pay(1, n, 4096) and not rows_pay(1, n + 1, 4096)  # MAX_WEIGHT_ELEMENTS
+    assert rows_pay(8, n + 1, 4096)
     monkeypatch.setattr(gemv_module, "ROW_LIMITS", ())
     assert not rows_pay(1, 64, 64)
 

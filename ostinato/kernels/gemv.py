@@ -53,12 +53,14 @@ from ostinato.kernels.small_batch import (
 # benchmarks/h100-2026-11-25-s18.md) tl.dot beat cuBLAS and the separate kernels at 2-16 rows
 # only for weights of at most 3M elements (qwen3-0.6b's o and down, 1.14-1.32x), and lost for
 # larger ones (0.77-0.99x) and at 32 rows everywhere; in qwen3-0.6b's decode step it took
-# 10-17% off at batch 2-8 and nothing at 16 (benchmarks/h100-2026-11-26-s19.md). One row (FMAs)
-# beat cuBLAS (benchmarks/perf-h100.md) by 1.06-1.35x for weights of 4-50 MB with K up to
-# 4096, and lost at K = 8192 (0.95x): it also needs MAX_K and MAX_WEIGHT_ELEMENTS.
-ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 8), (32 << 20, 1))
-MAX_K = 4096
-MAX_WEIGHT_ELEMENTS = 32 << 20
+# 10-17% off at batch 2-8 and nothing at 16 (benchmarks/h100-2026-11-26-s19.md). One row (FMAs,
+# in gemv_config's launch) reads at 1.00-1.12x the copy floor up to llama-3.1-8b's MLP, the
+# largest weights measured, where the unfused path (norm, cuBLAS, SiLU) takes 1.09-1.13x longer
+# (gate|up, 117M elements: 77.5 against 88.0 us; down, K = 14336: 40.3 against 43.9;
+# benchmarks/h100-2026-11-26-s27.md): MAX_K and MAX_WEIGHT_ELEMENTS are those measured bounds.
+MAX_K = 14336
+MAX_WEIGHT_ELEMENTS = 28672 * 4096
+ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 8), (MAX_WEIGHT_ELEMENTS, 1))
 DOT_ROWS = 2  # from here the rows go through tl.dot
 
 
