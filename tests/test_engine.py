@@ -220,6 +220,26 @@ def test_the_tail_warm_up_takes_both_top_k_and_nucleus_masks(llm, monkeypatch):
     assert {"topk", "nucleus"} <= set(taken)
 
 
+def test_the_kv_sizing_step_scores_the_most_rows_the_lm_head_sees(monkeypatch):
+    """The KV sizing's peak step takes the LM head (and a float32 softmax) over the most rows
+    it sees in one pass: with 4 requests, a chunk of 256 scored prompt positions, not the 4
+    sampled rows, so prompt logprobs never need more memory than the KV sizing left."""
+    from ostinato.runner.model_runner import PROMPT_LOGITS_ROWS, head_rows
+
+    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512)
+    runner, seen = llm.engine.runner, []
+    compute_logits = runner.model.compute_logits
+    monkeypatch.setattr(
+        runner.model, "compute_logits", lambda h: seen.append(len(h)) or compute_logits(h)
+    )
+    runner._run_dummy()
+    assert seen == [head_rows(PROMPT_LOGITS_ROWS)]
+    seen.clear()
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    llm.generate([[5] * 400], scored, use_tqdm=False)
+    assert max(seen) == head_rows(PROMPT_LOGITS_ROWS)
+
+
 def test_padded_lm_head_rows_leave_each_requests_logits_alone(llm):
     """The padding rows hold whatever earlier steps left; the real rows' logits are those of
     the LM head over exactly the sampled positions."""

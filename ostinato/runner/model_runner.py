@@ -482,16 +482,18 @@ class ModelRunner:
 
     def _run_dummy(self) -> None:
         """Profile a peak step of max_num_batched_tokens: forward (through every adapter slot
-        with LoRA), and on the last stage logits and softmax for the most rows a step can
-        sample, padded as the LM head pads them."""
+        with LoRA), and on the last stage logits and a float32 softmax over the most rows the
+        LM head sees in one pass (the sampling rows, or a chunk of scored prompt positions),
+        padded as it pads them."""
         num_tokens = self.config.max_num_batched_tokens
         num_reqs = min(self.config.max_num_seqs, num_tokens)
         num_loras = self.config.max_loras if self.lora is not None else 0
         self.buffers.load(self._dummy(num_tokens, num_reqs, num_loras))
         out = self._forward(num_tokens, num_reqs, num_loras)
-        if self.rank.is_last_stage:
-            rows = head_rows(self._most_sampling_rows())
-            self.model.compute_logits(out[:rows]).float().softmax(dim=-1)
+        if self.rank.is_last_stage:  # gathered into the head's input, as _logits does
+            rows = min(len(self.head_input), len(out))
+            self.head_input[:rows].copy_(out[:rows])
+            self.model.compute_logits(self.head_input).float().softmax(dim=-1)
 
 
 def head_rows(num_rows: int) -> int:

@@ -154,7 +154,8 @@ def silu_64(y):
 )
 def test_gemv_normed_bf16_in_a_graph(n, k, silu, with_residual, rows):
     """The norm prologue (after the residual add) against float64 at qwen3-0.6b / llama-8b
-    shapes (llama-3.1-8b's gate|up at one row since session 27); replays of the captured kernel with new inputs equal fresh launches."""
+    shapes (llama-3.1-8b's gate|up too, which takes the kernel at one row); replays of the
+    captured kernel with new inputs equal fresh launches."""
     x = torch.randn(rows, k, device="cuda", dtype=BF16)
     residual = torch.randn(rows, k, device="cuda", dtype=BF16) if with_residual else None
     norm_w = torch.rand(k, device="cuda", dtype=BF16) + 0.5
