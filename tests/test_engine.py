@@ -188,16 +188,22 @@ def test_cpu_report_counts_eager_steps():
     assert report["captured"] == {"full": [], "piecewise": []}
 
 
+def lm_head_rows(monkeypatch, max_num_seqs: int) -> tuple[LLM, list[int]]:
+    """An engine of at most max_num_seqs requests, and the rows its LM head runs over, call
+    by call (appended as they come)."""
+    llm = LLM("tiny", device="cpu", max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+              max_model_len=512)  # fmt: skip
+    model, seen = llm.engine.runner.model, []
+    compute_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: seen.append(len(h)) or compute_logits(h))
+    return llm, seen
+
+
 def test_the_lm_head_sees_only_the_row_counts_start_up_warms(monkeypatch):
     """cuBLAS loads a kernel at a row count's first use: the LM head runs over a few padded
     counts, and start-up's tail warm-up runs each of them once."""
-    llm = LLM("tiny", device="cpu", max_num_seqs=24, max_num_batched_tokens=512, max_model_len=512)
-    runner, seen = llm.engine.runner, []
-    compute_logits = runner.model.compute_logits
-    monkeypatch.setattr(
-        runner.model, "compute_logits", lambda h: seen.append(len(h)) or compute_logits(h)
-    )
-    runner._warm_up_tail()
+    llm, seen = lm_head_rows(monkeypatch, 24)
+    llm.engine.runner._warm_up_tail()
     warmed, seen[:] = set(seen), []
     params = [SamplingParams(max_tokens=1 + i % 9, ignore_eos=True) for i in range(23)]
     scored = SamplingParams(max_tokens=2, prompt_logprobs=0)
@@ -226,13 +232,8 @@ def test_the_kv_sizing_step_scores_the_most_rows_the_lm_head_sees(monkeypatch):
     sampled rows, so prompt logprobs never need more memory than the KV sizing left."""
     from ostinato.runner.model_runner import PROMPT_LOGITS_ROWS, head_rows
 
-    llm = LLM("tiny", device="cpu", max_num_seqs=4, max_num_batched_tokens=512, max_model_len=512)
-    runner, seen = llm.engine.runner, []
-    compute_logits = runner.model.compute_logits
-    monkeypatch.setattr(
-        runner.model, "compute_logits", lambda h: seen.append(len(h)) or compute_logits(h)
-    )
-    runner._run_dummy()
+    llm, seen = lm_head_rows(monkeypatch, 4)
+    llm.engine.runner._run_dummy()
     assert seen == [head_rows(PROMPT_LOGITS_ROWS)]
     seen.clear()
     scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
