@@ -54,7 +54,7 @@ from ostinato.kernels.small_batch import (
 # only for weights of at most 3M elements (qwen3-0.6b's o and down, 1.14-1.32x), and lost for
 # larger ones (0.77-0.99x) and at 32 rows everywhere; in qwen3-0.6b's decode step it took
 # 10-17% off at batch 2-8 and nothing at 16 (benchmarks/h100-2026-11-26-s19.md). One row (FMAs,
-# in gemv_config's launch) reads at 1.00-1.12x the copy floor up to llama-3.1-8b's MLP, the
+# in gemv_config's launch) reads at 1.00-1.13x the copy floor up to llama-3.1-8b's MLP, the
 # largest weights measured, where the unfused path (norm, cuBLAS, SiLU) takes 1.09-1.13x longer
 # (gate|up, 117M elements: 77.5 against 88.0 us; down, K = 14336: 40.3 against 43.9;
 # benchmarks/h100-2026-11-26-s27.md): MAX_K and MAX_WEIGHT_ELEMENTS are those measured bounds.
