@@ -430,6 +430,77 @@ def test_paged_attention_in_a_full_prefill_graph(dtype):
     check_attention(batch, out, scale, dtype)
 
 
+def new_kv_rows(batch, heads):
+    """This step's k and v [tokens, kv_heads, head_dim] as the engine has them: views of one
+    qkv buffer (row stride wider than a head's) holding what the cache holds at each request's
+    new positions; padding rows NaN."""
+    tokens, kv_heads, head_dim = batch.q.shape[0], *batch.k_cache.shape[2:]
+    qkv = torch.full((tokens, heads + 2 * kv_heads, head_dim), NAN, dtype=batch.q.dtype)
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    starts = batch.query_start_loc.tolist()
+    for i, slots in enumerate(batch.slots):
+        q_len = starts[i + 1] - starts[i]
+        new = slots[len(slots) - q_len :]
+        k[starts[i] : starts[i + 1]] = batch.k_cache.flatten(0, 1)[new]
+        v[starts[i] : starts[i + 1]] = batch.v_cache.flatten(0, 1)[new]
+    return k, v
+
+
+def run_direct(batch, k, v):
+    b, out = batch, nan_fenced(torch.full(batch.q.shape, NAN, dtype=batch.q.dtype))
+    scale = b.q.shape[-1] ** -0.5
+    attention = PagedAttention(
+        b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, scale, new_kv=k
+    )
+    attention(b.q, b.k_cache, b.v_cache, out, k, v)
+    return attention, out, scale
+
+
+# fresh prompts; chunks after 48 and 50 cached tokens; a 3-token chunk; padding requests and
+# tokens
+DIRECT_Q = [37, 40, 30, 3, 0, 0]
+DIRECT_SEQ = [37, 88, 80, 20, 0, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [1, 2])
+def test_long_queries_read_their_new_kv_directly(dtype, group):
+    """A long-query launch given this step's k and v (DIRECT) attends as the cache-only launch
+    and float64 do, in a batch of fresh prompts, chunks after context and padding."""
+    batch = make_batch(DIRECT_Q, DIRECT_SEQ, 2 * group, 2, 64, dtype, pad_tokens=5)
+    attention, out, scale = run_direct(batch, *new_kv_rows(batch, 2 * group))
+    assert attention.direct
+    check_attention(batch, out, scale, dtype)
+
+
+def test_fresh_prompts_read_k_and_v_and_chunks_read_the_cache():
+    """DIRECT reads a fresh prompt's KV from k and v, and a chunk after context from the cache
+    alone: with the cache NaN at the fresh prompt's positions and k and v NaN at the chunk's
+    rows, the output is float64's of the real values; the cache-only launch reads NaN."""
+    batch = make_batch([37, 40], [37, 88], 4, 2, 64, torch.float32)
+    k, v = new_kv_rows(batch, 4)
+    reference = batch.reference_64(64**-0.5)
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.flatten(0, 1)[batch.slots[0]] = NAN
+    k[37:], v[37:] = NAN, NAN
+    attention, out, _ = run_direct(batch, k, v)
+    assert not out.isnan().any()
+    close(out, reference, torch.float32, scale=10)
+    assert run_attention(batch)[0][:37].isnan().all()
+
+
+def test_short_queries_and_split_launches_read_only_the_cache():
+    """Decode-like batches (short queries) and split launches never take DIRECT, whatever k
+    and v they are given."""
+    decode = make_batch([1, 1, 2], [40, 9, 30], 4, 2, 64, torch.float32)
+    assert not run_direct(decode, *new_kv_rows(decode, 4))[0].direct
+    prefill = make_batch([37], [37], 4, 2, 64, torch.float32)
+    b, out, k = prefill, torch.empty_like(prefill.q), new_kv_rows(prefill, 4)[0]
+    split = Config(16, 64, 16, 2, num_warps=4, num_stages=1)
+    args = (b.q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table, 0.125, split)
+    assert not PagedAttention(*args, new_kv=k).direct
+
+
 def test_paged_attention_half_precision_decode():
     batch = make_batch([1, 1, 1, 0], [16, 49, 5, 0], 8, 2, 64, torch.float16, pad_tokens=1)
     out, scale = run_attention(batch)
@@ -782,9 +853,9 @@ class _Steps:
         self.built, self.merged = [], []  # what each PagedAttention was built with
         build = triton_backend.PagedAttention
 
-        def spy(*args, merge=False):
+        def spy(*args, merge=False, new_kv=None):
             self.merged.append(merge)
-            self.built.append(build(*args, merge=merge))
+            self.built.append(build(*args, merge=merge, new_kv=new_kv))
             return self.built[-1]
 
         monkeypatch.setattr(triton_backend, "PagedAttention", spy)
@@ -806,10 +877,18 @@ class _Steps:
                                  step.query_start_loc, step.seq_lens)  # fmt: skip
         plan = self.backend.plan(meta)
         out = torch.full_like(step.q, NAN)
-        plan(step.q, step.q, step.q, out, f.k_cache, f.v_cache, 32**-0.5)
+        plan(step.q, *new_kv_rows(step, 4), out, f.k_cache, f.v_cache, 32**-0.5)
         check_attention(step, out, 32**-0.5, torch.float32)
         (launch,) = plan.launches.values()
         return launch
+
+
+def test_steps_give_fresh_prompts_launches_their_k_and_v(monkeypatch):
+    """The backend hands each launch the step's k and v: a step of a fresh prompt (below
+    SDPA's size) reads them (DIRECT) and attends right; a decode step does not take DIRECT."""
+    steps = _Steps(monkeypatch)
+    assert steps.run([37], [37]).direct
+    assert not steps.run([1, 1], [60, 50]).direct
 
 
 def test_eager_steps_keep_their_attention_launches(monkeypatch):

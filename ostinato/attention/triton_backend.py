@@ -1,7 +1,8 @@
 """Paged attention through the Triton kernels: every size is read on the device. A step of whole
 fresh prompts of one length, large enough that the GPU and not the host sets its time, goes to
 torch's SDPA instead (cuDNN's fused attention on Hopper): it needs no cache, and is 1.2-1.5x our
-kernel's rate there (benchmarks/bench_kernels.py --sections sdpa)."""
+kernel's rate there (benchmarks/bench_kernels.py --sections sdpa). Smaller fresh prompts take
+the paged kernel, which reads their KV from the step's k and v rather than the cache."""
 
 from __future__ import annotations
 
@@ -66,17 +67,17 @@ class TritonAttentionPlan:
     def __call__(self, q, k, v, out, k_cache, v_cache, scale: float) -> None:
         if self.fresh is not None and _eager(q):
             return causal_prefill(q, k, v, out, *self.fresh, scale)
-        key = (q.shape, q.stride(), out.stride(), k_cache.stride(), q.dtype, scale)
+        key = (q.shape, q.stride(), out.stride(), k.stride(), k_cache.stride(), q.dtype, scale)
         launch = self.launches.get(key)
         if launch is None:
             m = self.meta
             tensors = (m.query_start_loc, m.seq_lens, m.block_table)
             if _eager(q):
-                launch = self.eager.get(key, q, out, k_cache, tensors, scale)
+                launch = self.eager.get(key, q, k, out, k_cache, tensors, scale)
             else:
-                launch = PagedAttention(q, out, k_cache, *tensors, scale)
+                launch = PagedAttention(q, out, k_cache, *tensors, scale, new_kv=k)
             self.launches[key] = launch
-        launch(q, k_cache, v_cache, out)
+        launch(q, k_cache, v_cache, out, k, v)
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -103,13 +104,13 @@ class EagerLaunches:
     def __init__(self) -> None:
         self.launches: dict[tuple, PagedAttention] = {}
 
-    def get(self, key: tuple, q, out, k_cache, tensors: tuple, scale: float) -> PagedAttention:
+    def get(self, key: tuple, q, k, out, k_cache, tensors: tuple, scale: float) -> PagedAttention:
         """The instance for a step whose first layer passes these (`key`: the plan's)."""
         where = ((t.data_ptr(), t.shape, t.stride()) for t in tensors)
         full = (*key, q.device, k_cache.shape, *where)
         launch = self.launches.pop(full, None)
         if launch is None:
-            launch = PagedAttention(q, out, k_cache, *tensors, scale, merge=True)
+            launch = PagedAttention(q, out, k_cache, *tensors, scale, merge=True, new_kv=k)
             if len(self.launches) >= self.SIZE:  # the least recently used goes
                 del self.launches[next(iter(self.launches))]
         self.launches[full] = launch  # (re)inserted last: the most recently used

@@ -66,18 +66,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def _attend_tile(
     acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale, stride_cb, stride_cs,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over KV positions [start, start + BLOCK_N). Unmasked tiles lie
-    wholly before every row's position and before kv_hi: no bounds or causal checks."""
+    wholly before every row's position and before kv_hi: no bounds or causal checks. DIRECT:
+    the positions are this step's tokens, position n at row n of k_base / v_base (stride_cs
+    apart), read without the block table."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     in_range = n < kv_hi
-    if MASKED:
-        page = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
+    if DIRECT:
+        offs = n.to(tl.int64) * stride_cs
     else:
-        page = tl.load(bt_row + n // PAGE)
-    offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs
+        if MASKED:
+            page = tl.load(bt_row + n // PAGE, mask=in_range, other=0)
+        else:
+            page = tl.load(bt_row + n // PAGE)
+        offs = page.to(tl.int64) * stride_cb + (n % PAGE) * stride_cs
     if MASKED:
         k = tl.load(k_base + offs[None, :] + d[:, None], mask=in_range[None, :], other=0.0)
         v = tl.load(v_base + offs[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
@@ -97,14 +102,15 @@ def _attend_tile(
 
 @jit(do_not_specialize=["num_reqs"])  # no compiled variant per batch size
 def _attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_ptr, v_ptr,
     part_ptr, m_ptr, l_ptr, live_ptr, count_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
     qk_scale, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-    REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    stride_kt, stride_kh, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
+    MERGE: tl.constexpr, REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    DIRECT_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (tile, kv_head, split). A tile is BLOCK_Q query tokens of one request times the GROUP
     query heads that share kv_head, packed into BLOCK_M rows, so each K/V tile loaded serves
@@ -119,6 +125,12 @@ def _attention_kernel(
     combine launch; the last live part of a tile to finish merges the parts, row by row
     (_merge_parts: one compiled variant for every split count; count_ptr: a zeroed count per
     tile and KV head, set back to 0 by that part).
+    DIRECT (no SPLIT): a request with no context (a fresh prompt) reads its KV from this
+    step's k_ptr / v_ptr [tokens, kv_heads, head_dim], which hold what the cache holds there,
+    without the block-table load each cache tile waits on, in a loop pipelined DIRECT_STAGES
+    deep. A request with context reads the cache alone: its new tokens' tiles from k and v
+    after the cache's tiles were up to 11% slower than all from the cache, and a branch
+    around the loops stopped their pipelining (benchmarks/h100-2026-11-27-s28.md).
     PDL: lengths, block table and query starts are the host's copies, made before the step's
     first kernel, so finding the tile's request and KV range overlaps the kernel before this
     one; q and the cache are read after the wait (qwen3-0.6b's batch-1 decode 0.947 -> 0.932
@@ -180,16 +192,37 @@ def _attention_kernel(
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    for start in range(kv_lo, unmasked_hi, BLOCK_N):
+    # a fresh prompt's KV tiles (no context: every position is this step's) come from rows
+    # q_start on of k and v; a request with context reads the cache alone. Loop bounds, not a
+    # branch, pick the source: loops under a runtime branch ran up to 1.8x slower.
+    new_lo = kv_hi
+    if DIRECT:
+        new_lo = tl.where(ctx_len == 0, 0, kv_hi)
+        new_rows = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    for start in range(kv_lo, tl.minimum(unmasked_hi, new_lo), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale,
-            stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, False, PRECISION,
+            stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, False, PRECISION, False,
         )  # fmt: skip
-    for start in range(unmasked_hi, kv_hi, BLOCK_N):
+    if DIRECT:
+        for start in tl.range(new_lo, unmasked_hi, BLOCK_N, num_stages=DIRECT_STAGES):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_ptr + new_rows, v_ptr + new_rows, bt_row, start, kv_hi,
+                pos, qk_scale, stride_cb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, PRECISION,
+                True,
+            )  # fmt: skip
+    for start in range(unmasked_hi, tl.maximum(new_lo, unmasked_hi), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale,
-            stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION,
+            stride_cb, stride_cs, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION, False,
         )  # fmt: skip
+    if DIRECT:
+        for start in range(tl.maximum(new_lo, unmasked_hi), kv_hi, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_ptr + new_rows, v_ptr + new_rows, bt_row, start, kv_hi,
+                pos, qk_scale, stride_cb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION,
+                True,
+            )  # fmt: skip
 
     if SPLIT and not MERGE:  # split 0 of every token's row, for the combine
         first = (rows * 0 + split) == 0
@@ -394,6 +427,12 @@ def launch_classes(
     return list(classes.values())
 
 
+# Pipeline depth of a fresh prompt's loop over KV tiles read from k and v. On the H100
+# (Llama-3.1-8B and qwen3-0.6b heads, benchmarks/h100-2026-11-27-s28.md) 3 stages beat 2 by
+# 1.04-1.12x at 1,024-4,096 tokens and 4 lost by up to 1.4x, while the cache's loop, whose
+# block-table loads take a stage of their own, is fastest at the launch's 2.
+DIRECT_STAGES = 3
+
 # Programs per SM a split KV aims for. The H100 decode sweep (bench_kernels decode-sweep,
 # Llama-3.1-8B heads, contexts 576 and 1088) was fastest at about 2: 32 parts for one request,
 # 4 for 8, none for 32 (34.1 µs against 40.1 with 2 parts at 576); 4 per SM split 32 requests.
@@ -430,15 +469,23 @@ class PagedAttention:
         scale: float,
         config: Config | None = None,
         merge: bool = False,
+        new_kv: torch.Tensor | None = None,
     ) -> None:
         """merge: the attention kernel merges a split KV's parts itself (MERGE), no combine
-        launch: for eager steps, which pay a launch's host time; a graph's replay does not."""
+        launch: for eager steps, which pay a launch's host time; a graph's replay does not.
+        new_kv: a tensor of this step's k or v [num_tokens, kv_heads, head_dim] (both have its
+        strides), already in the cache: a long-query launch then reads fresh prompts' KV from
+        k and v rather than through the block table (DIRECT); each call passes them."""
         num_tokens, num_heads, head_dim = q.shape
         num_reqs = seq_lens.shape[0]
         self.attend = self.combine = None
         if num_tokens == 0 or num_reqs == 0:
             return
         cfg = config or choose_config(q, k_cache, block_table, num_reqs)
+        # fresh prompts come in long-query launches, which never split the KV
+        long = num_tokens > _SHORT_QUERY * num_reqs
+        self.direct = new_kv is not None and long and cfg.splits == 1
+        kv_strides = (new_kv.stride(0), new_kv.stride(1)) if self.direct else (0, 0)
         kv_heads, page = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // kv_heads
         assert k_cache.stride(3) == 1 and q.stride(2) == out.stride(2) == block_table.stride(1) == 1
@@ -460,7 +507,7 @@ class PagedAttention:
         self.attend = Launch(
             _attention_kernel,
             (tiles, kv_heads, cfg.splits),
-            num_head=4,  # q, k_cache, v_cache, out: each layer's own
+            num_head=6,  # q, k_cache, v_cache, out, k, v: each layer's own
             tail=(
                 part,
                 stats[0],
@@ -480,6 +527,7 @@ class PagedAttention:
                 k_cache.stride(1),
                 k_cache.stride(2),
                 block_table.stride(0),
+                *kv_strides,
             ),  # fmt: skip
             constexprs=dict(
                 GROUP=group,
@@ -492,6 +540,8 @@ class PagedAttention:
                 MERGE=merge,
                 REQ_CHUNK=128,
                 PRECISION=_precision(q.dtype),
+                DIRECT=self.direct,
+                DIRECT_STAGES=DIRECT_STAGES,
                 PDL=pdl["PDL"],
             ),  # fmt: skip
             num_warps=cfg.num_warps,
@@ -518,11 +568,21 @@ class PagedAttention:
             )
 
     def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
     ) -> None:
+        """k, v: this step's, with new_kv's strides; read only by a DIRECT launch."""
         if self.attend is None:
             return
-        self.attend(q, k_cache, v_cache, out)
+        if self.direct:
+            self.attend(q, k_cache, v_cache, out, k, v)
+        else:
+            self.attend(q, k_cache, v_cache, out, k_cache, v_cache)
         if self.combine is not None:
             self.combine(out)
 

@@ -352,6 +352,38 @@ def test_paged_attention_long_prefill():
     check(batch, attend(batch))
 
 
+def step_kv(batch):
+    """This step's k and v as the engine has them (views of one qkv buffer): each request's
+    new positions gathered from the cache; padding rows NaN."""
+    q, k_cache = batch["q"], batch["k_cache"]
+    heads, (kv_heads, head_dim) = q.shape[1], k_cache.shape[2:]
+    qkv = torch.full((q.shape[0], heads + 2 * kv_heads, head_dim), NAN, dtype=BF16, device="cuda")
+    k, v = qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    starts, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    for i, s in enumerate(lens):
+        pos = torch.arange(s - (starts[i + 1] - starts[i]), s, device="cuda")
+        slots = batch["block_table"][i, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        for new, cache in ((k, k_cache), (v, batch["v_cache"])):
+            new[starts[i] : starts[i + 1]] = cache.view(-1, kv_heads, head_dim)[slots]
+    return k, v
+
+
+@pytest.mark.parametrize("shape", ["llama-3.1-8b", "qwen3-0.6b", "qwen2.5-0.5b"])
+def test_fresh_prompts_read_from_the_steps_k_and_v(shape):
+    """The engine's long-query launch (DIRECT: fresh prompts' KV from the step's k and v, the
+    cache for chunks after context) at real shapes: fresh prompts of 1,000 and 513 tokens, a
+    chunk of 700 after 1,300 cached, padding; equal to float64 and to the cache-only launch."""
+    b = make_batch([1000, 700, 513, 0], [1000, 2000, 513, 0], *SHAPES[shape], pad_tokens=7)
+    k, v = step_kv(b)
+    meta = (b["query_start_loc"], b["seq_lens"], b["block_table"], b["q"].shape[-1] ** -0.5)
+    out = torch.full_like(b["q"], NAN)
+    attention = PagedAttention(b["q"], out, b["k_cache"], *meta, new_kv=k)
+    assert attention.direct
+    attention(b["q"], b["k_cache"], b["v_cache"], out, k, v)
+    check(b, out)
+    assert_rel(out[:2213], attend(b)[:2213], tol=1e-3)
+
+
 def test_direct_launches_match_triton_launches():
     """A PagedAttention launches through Triton once per argument alignment, then calls the
     compiled kernel's launcher itself: later layers (other q, caches and outputs), including a
