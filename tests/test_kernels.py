@@ -489,6 +489,24 @@ def test_fresh_prompts_read_k_and_v_and_chunks_read_the_cache():
     assert run_attention(batch)[0][:37].isnan().all()
 
 
+def test_requests_past_their_context_read_nothing_new():
+    """Warm-up batches clamp seq_len to the model length, below q_len: such a request's first
+    tiles end before position 0. DIRECT must read no k or v rows for them (on the GPU, rows
+    before the tensor fault): its outputs equal the cache-only launch's, NaN where no
+    position is visible, not values from the fresh prompt's rows before it."""
+    q_lens, seq_lens = [64, 128], [64, 40]
+    batch = make_batch(q_lens, [64, 128], 4, 2, 64, torch.float32)
+    batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    qkv = torch.randn(192, 8, 64)
+    k, v = qkv[:, 4:6], qkv[:, 6:]
+    k[:64] = batch.k_cache.flatten(0, 1)[batch.slots[0]]
+    v[:64] = batch.v_cache.flatten(0, 1)[batch.slots[0]]
+    _, out, _ = run_direct(batch, k, v)
+    expected, _ = run_attention(batch)
+    assert expected[64:].isnan().any() and not expected[:64].isnan().any()
+    torch.testing.assert_close(out, expected, equal_nan=True)
+
+
 def test_short_queries_and_split_launches_read_only_the_cache():
     """Decode-like batches (short queries) and split launches never take DIRECT, whatever k
     and v they are given."""

@@ -195,9 +195,10 @@ def _attention_kernel(
     # a fresh prompt's KV tiles (no context: every position is this step's) come from rows
     # q_start on of k and v; a request with context reads the cache alone. Loop bounds, not a
     # branch, pick the source: loops under a runtime branch ran up to 1.8x slower.
-    new_lo = kv_hi
+    # (warm-up batches clamp seq_len below q_len: past the context, kv_hi may lie below 0)
+    new_lo = tl.maximum(kv_hi, unmasked_hi)
     if DIRECT:
-        new_lo = tl.where(ctx_len == 0, 0, kv_hi)
+        new_lo = tl.where(ctx_len == 0, 0, new_lo)
         new_rows = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     for start in range(kv_lo, tl.minimum(unmasked_hi, new_lo), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
