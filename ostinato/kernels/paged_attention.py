@@ -430,8 +430,8 @@ def launch_classes(
 
 # Pipeline depth of a fresh prompt's loop over KV tiles read from k and v. On the H100
 # (Llama-3.1-8B and qwen3-0.6b heads, benchmarks/h100-2026-11-27-s28.md) 3 stages beat 2 by
-# 1.04-1.12x at 1,024-4,096 tokens and 4 lost by up to 1.4x, while the cache's loop, whose
-# block-table loads take a stage of their own, is fastest at the launch's 2.
+# 1.04-1.12x at 1,024-4,096 tokens and 4 lost at all but the shortest (up to 1.5x), while the
+# cache's loop, whose block-table loads take a stage of their own, is fastest at the launch's 2.
 DIRECT_STAGES = 3
 
 # Programs per SM a split KV aims for. The H100 decode sweep (bench_kernels decode-sweep,
