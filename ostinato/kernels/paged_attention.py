@@ -195,7 +195,8 @@ def _attention_kernel(
     # a fresh prompt's KV tiles (no context: every position is this step's) come from rows
     # q_start on of k and v; a request with context reads the cache alone. Loop bounds, not a
     # branch, pick the source: loops under a runtime branch ran up to 1.8x slower.
-    # (warm-up batches clamp seq_len below q_len: past the context, kv_hi may lie below 0)
+    # (a warm-up batch clamps seq_len below q_len: its first tiles' kv_hi lies below 0, and
+    # this bound keeps their k/v loops empty)
     new_lo = tl.maximum(kv_hi, unmasked_hi)
     if DIRECT:
         new_lo = tl.where(ctx_len == 0, 0, new_lo)
@@ -480,6 +481,7 @@ class PagedAttention:
         num_tokens, num_heads, head_dim = q.shape
         num_reqs = seq_lens.shape[0]
         self.attend = self.combine = None
+        self.direct = False
         if num_tokens == 0 or num_reqs == 0:
             return
         cfg = config or choose_config(q, k_cache, block_table, num_reqs)
