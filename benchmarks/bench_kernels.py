@@ -46,7 +46,9 @@ fp8_gemv_before = importlib.import_module("fp8_gemv_before")  # benchmarks/, bes
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3.1-8B
 HIDDEN, INTERMEDIATE = 4096, 14336
-DECODE_TARGET, PREFILL_TARGET = 0.70, 0.40
+DECODE_TARGET = 0.70
+# issue 17: fractions of the matmul rate, per (prompts, length)
+PREFILL_TARGETS = {(1, 4096): 0.55, (8, 512): 0.40}
 L2_FLUSH_BYTES = 256 << 20  # a captured ring of calls spans this much, several times the L2
 
 
@@ -167,7 +169,7 @@ def prefill_rows(pool: KVPool, matmul: float) -> list[list[str]]:
     """Fresh prompts as the engine launches them (the new tokens' KV read from k and v), and
     the cache-only launch beside it."""
     rows = []
-    for batch, length in ((1, 4096), (8, 512)):
+    for (batch, length), target in PREFILL_TARGETS.items():
         q_lens = [length] * batch
         cached = graph_seconds(pool.calls(q_lens, q_lens))
         seconds = graph_seconds(pool.calls(q_lens, q_lens, new_kv=True))
@@ -175,7 +177,7 @@ def prefill_rows(pool: KVPool, matmul: float) -> list[list[str]]:
         rows.append([
             f"{batch} x {length}", f"{cached * 1e3:.3f}", f"{seconds * 1e3:.3f}",
             f"{flops / 1e12:.0f}", f"{flops / matmul:.2f}",
-            *_vs_target(flops / matmul, PREFILL_TARGET),
+            *_vs_target(flops / matmul, target),
         ])  # fmt: skip
     return rows
 
@@ -1135,8 +1137,8 @@ def main() -> None:
         )
     if "prefill" in chosen:
         sections.append(
-            f"## Prefill attention (causal, fresh prompts; target >= {PREFILL_TARGET:.0%} of "
-            "the matmul rate)\n\n"
+            "## Prefill attention (causal, fresh prompts; targets as fractions of the matmul "
+            "rate)\n\n"
             + table(
                 ["tokens", "ms (cache only)", "ms", "TFLOP/s", "of matmul", "target", "vs"],
                 prefill_rows(pool, matmul),
