@@ -24,6 +24,7 @@ import importlib
 import statistics
 import subprocess
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -706,6 +707,28 @@ def moe_block_rows(rings: dict[int, list[MoeCall]], copy_bw: float) -> list[list
     return rows
 
 
+ROUTE_WARPS = (1, 2, 4, 8)
+
+
+def moe_route_rows() -> list[list[str]]:
+    """route_and_align alone (the router's logits to aligned blocks; qwen3-30b-a3b's 128
+    experts, top 8) at each token count in each warp count, to choose moe.route_warps."""
+    rows = []
+    for tokens in MOE_TOKENS:
+        inputs = [
+            (torch.randn(tokens, MOE_EXPERTS, device="cuda", dtype=torch.bfloat16),
+             torch.arange(tokens, device="cuda"))
+            for _ in range(MOE_CALLS)
+        ]  # fmt: skip
+        block_m = _moe_default("gate|up", tokens).block_m
+        for warps in ROUTE_WARPS:
+            route = moe.route_and_align
+            calls = [partial(route, lg, MOE_TOP_K, True, s, block_m, warps) for lg, s in inputs]
+            mark = " (default)" if warps == moe.route_warps(tokens) else ""
+            rows.append([str(tokens), f"{warps}{mark}", f"{graph_seconds(calls) * 1e6:.2f}"])
+    return rows
+
+
 def moe_sweep_rows(rings: dict[int, list[MoeCall]], copy_bw: float) -> list[list[str]]:
     """MOE_VARIANTS of each grouped GEMM at each token count, the five fastest first (then
     moe_config's choice and the launch before, if slower), to tune moe_config."""
@@ -1109,6 +1132,7 @@ def main() -> None:
         "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
         "copy bandwidth), moe-sweep (their launch configurations), moe-block (its whole MoE "
         "block, router to output, against the kernel sequence before issue 21's fusions), "
+        "moe-route (its routing kernel alone, in each warp count), "
         "lora (llama-3.1-8b's LoRA shrink and expand per layer: who sums the split-K "
         "partials, the split and chunk of K)",
     )
@@ -1313,6 +1337,11 @@ def main() -> None:
             "one program (up to 256 pairs), gate|up, down summing each token's choices (up to "
             f"{moe.SUM_PAIRS} pairs). before: the router through cuBLAS, route, align, gate|up, "
             "a zeroed [pairs, hidden] output, down, the sum over choices."
+        )
+    if "moe-route" in chosen:
+        sections.append(
+            "## MoE routing alone (route_and_align; µs per call in a CUDA graph)\n\n"
+            + table(["tokens", "warps", "µs"], moe_route_rows())
         )
     if "moe-sweep" in chosen:
         sections.append(

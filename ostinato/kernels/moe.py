@@ -287,6 +287,7 @@ def route_and_align(
     renormalize: bool,
     slots: torch.Tensor | None,
     block_m: int,
+    num_warps: int | None = None,  # the one program's; None: route_warps' (benchmarks time others)
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """route() and then align() of its choices -> (weights, ids, (sorted_ids, block_experts));
     one Triton program for both where align takes one (decode batches)."""
@@ -307,9 +308,19 @@ def route_and_align(
         tokens, experts, logits.stride(0), blocks, TOP_K=top_k,
         K_P2=triton.next_power_of_2(top_k), RENORM=renormalize, HAS_SLOTS=slots is not None,
         BLOCK_T=min(triton.next_power_of_2(tokens), max(1, ROUTE_TILE // sizes["BLOCK_E"])),
-        **sizes, num_warps=8, **pdl_options(),
+        **sizes, num_warps=num_warps or route_warps(tokens), **pdl_options(),
     )  # fmt: skip
     return weights, ids, (sorted_ids, block_experts)
+
+
+def route_warps(tokens: int) -> int:
+    """The warps of route_and_align's one program. Its chain of small reductions (two a choice)
+    is latency: in one warp they stay in registers and shuffles, in more they cross shared
+    memory. On the H100 (bench_kernels.py --sections moe-route, qwen3-30b-a3b's 128 experts,
+    top 8; benchmarks/h100-2026-11-27-s29.md) one token took 2.9 µs in one warp against 5.4 in
+    eight; 8 and 32 tokens, whose one-hot sort is wider, 6.4 and 17.1 µs in eight against
+    10.1 and 87 in one."""
+    return 1 if tokens == 1 else 8
 
 
 ROUTE_TILE = 4096  # logits one step of the fused route holds: 16 a thread of 8 warps
