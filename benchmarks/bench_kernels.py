@@ -713,7 +713,7 @@ ROUTE_WARPS = (1, 2, 4, 8)
 def moe_route_rows() -> list[list[str]]:
     """route_and_align alone (the router's logits to aligned blocks; qwen3-30b-a3b's 128
     experts, top 8) at each token count in each warp count, to choose moe.route_warps."""
-    rows = []
+    rows, route = [], moe.route_and_align
     for tokens in MOE_TOKENS:
         inputs = [
             (torch.randn(tokens, MOE_EXPERTS, device="cuda", dtype=torch.bfloat16),
@@ -722,7 +722,6 @@ def moe_route_rows() -> list[list[str]]:
         ]  # fmt: skip
         block_m = _moe_default("gate|up", tokens).block_m
         for warps in ROUTE_WARPS:
-            route = moe.route_and_align
             calls = [partial(route, lg, MOE_TOP_K, True, s, block_m, warps) for lg, s in inputs]
             mark = " (default)" if warps == moe.route_warps(tokens) else ""
             rows.append([str(tokens), f"{warps}{mark}", f"{graph_seconds(calls) * 1e6:.2f}"])

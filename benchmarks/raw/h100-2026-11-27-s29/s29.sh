@@ -76,5 +76,13 @@ f)  # s0 (= main f4bd1fa's runtime): where a 512-token prompt's time to first to
     --model random:qwen3-0.6b --no-prefix-caching --input-len 512 --iters 600 2>>$OUT/err.txt | cut -c1-300; echo "py-spy rc=$?")
   python3 .gpu/spyttft.py $OUT/spy-ttft.txt _first_token_s 70 > $OUT/spy-ttft-sum.txt; gzip $OUT/spy-ttft.txt; head -n 150 $OUT/spy-ttft-sum.txt
   ;;
+g)  # s0: split KV for short fresh prefills (split_prefill.py)
+  (cd .gpu/s0 && timeout 200 python3 ../split_prefill.py 2>>$OUT/err.txt | tee $OUT/split_prefill.txt)
+  ;;
+h)  # s0: is qwen3-0.6b's FULL batch-1 decode host-bound? py-spy (idle included) of bench latency, 512 output tokens
+  (cd .gpu/s0 && timeout 200 /tmp/site/bin/py-spy record -r 250 --nonblocking --idle -f raw -o $OUT/spy-decode.txt -- python3 -m ostinato.cli bench latency --json \
+    --model random:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 512 --iters 4 --max-model-len 2048 2>>$OUT/err.txt | cut -c1-400; echo "py-spy rc=$?")
+  python3 .gpu/spyttft.py $OUT/spy-decode.txt LLMEngine.step 60 > $OUT/spy-decode-sum.txt; gzip $OUT/spy-decode.txt; head -n 75 $OUT/spy-decode-sum.txt
+  ;;
 esac
 grep -iE "error|Traceback" $OUT/err.txt 2>/dev/null | tail -5
