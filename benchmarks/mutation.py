@@ -37,6 +37,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "scheduler": ("ostinato/engine/scheduler.py", ["tests/test_scheduler.py"]),
     "detokenizer": ("ostinato/engine/detokenizer.py", ["tests/test_tokenizer.py"]),
     "lora_adapter": ("ostinato/lora/adapter.py", ["tests/test_lora_adapter.py"]),
+    "step": ("ostinato/runner/step.py", ["tests/test_step.py"]),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant
