@@ -38,6 +38,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "detokenizer": ("ostinato/engine/detokenizer.py", ["tests/test_tokenizer.py"]),
     "lora_adapter": ("ostinato/lora/adapter.py", ["tests/test_lora_adapter.py"]),
     "step": ("ostinato/runner/step.py", ["tests/test_step.py"]),
+    "input_buffers": ("ostinato/runner/input_buffers.py", ["tests/test_input_buffers.py"]),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant
