@@ -84,5 +84,8 @@ h)  # s0: is qwen3-0.6b's FULL batch-1 decode host-bound? py-spy (idle included)
     --model random:qwen3-0.6b --batch-size 1 --input-len 128 --output-len 512 --iters 4 --max-model-len 2048 2>>$OUT/err.txt | cut -c1-400; echo "py-spy rc=$?")
   python3 .gpu/spyttft.py $OUT/spy-decode.txt LLMEngine.step 60 > $OUT/spy-decode-sum.txt; gzip $OUT/spy-decode.txt; head -n 75 $OUT/spy-decode-sum.txt
   ;;
+i)  # f (= cc55366, the session's final code): bench_kernels prefill (per-case targets, first run) and moe-route
+  (cd .gpu/f && timeout 200 python3 benchmarks/bench_kernels.py --sections prefill,moe-route --out $OUT/kernels-final.md 2>>$OUT/err.txt | tail -n 40)
+  ;;
 esac
 grep -iE "error|Traceback" $OUT/err.txt 2>/dev/null | tail -5
