@@ -697,3 +697,21 @@ def test_a_finished_request_id_starts_afresh_in_the_proposer():
     (new,) = decoding(sched, [5, 6, 7, 5, 6, 7, 5, 6])  # the same request id, r0
     new.token_ids[-1] = 7  # the context ends "5 6 7": the proposer continues 5 6 7
     assert sched.schedule().drafts == [[5, 6, 7]]
+
+
+def test_a_new_sequence_waits_unfinished_and_keeps_what_its_params_ask_for():
+    """A new request: waiting, nothing computed, cached or committed, no finish reason, no
+    grammar; EOS among its stop ids unless ignore_eos (or the model has none); room for
+    logprobs only when asked, and a prompt-logprob entry per prompt token (the first has none
+    to score) only when asked."""
+    plain = Sequence("a", [5, 6, 7], SamplingParams(stop_token_ids=[9]), eos_token_id=2)
+    assert plain.status is SequenceStatus.WAITING and plain.finish_reason is None
+    assert (plain.num_computed_tokens, plain.num_cached_tokens, plain.num_committed_blocks) == (
+        0, 0, 0,
+    )  # fmt: skip
+    assert plain.grammar is None and plain.logprobs is None and plain.prompt_logprobs is None
+    assert plain.stop_ids == {9, 2}
+    assert Sequence("b", [5], SamplingParams(ignore_eos=True), eos_token_id=2).stop_ids == set()
+    assert Sequence("c", [5], SamplingParams()).stop_ids == set()
+    asks = Sequence("d", [5, 6, 7], SamplingParams(logprobs=2, prompt_logprobs=1))
+    assert asks.logprobs == [] and asks.prompt_logprobs == [None, None, None]
