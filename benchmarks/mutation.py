@@ -37,6 +37,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "scheduler": ("ostinato/engine/scheduler.py", ["tests/test_scheduler.py"]),
     "detokenizer": ("ostinato/engine/detokenizer.py", ["tests/test_tokenizer.py"]),
     "lora_adapter": ("ostinato/lora/adapter.py", ["tests/test_lora_adapter.py"]),
+    "graph_memory": ("ostinato/graphs/memory.py", ["tests/test_graph_plan.py"]),
     "sequence": ("ostinato/engine/sequence.py", ["tests/test_scheduler.py", "tests/test_step.py"]),
     "step": ("ostinato/runner/step.py", ["tests/test_step.py"]),
     "input_buffers": ("ostinato/runner/input_buffers.py", ["tests/test_input_buffers.py"]),

@@ -6,6 +6,7 @@ import torch
 from ostinato.config import EngineConfig
 from ostinato.graphs.capture import GraphRunner
 from ostinato.graphs.memory import graph_memory_reserve
+from ostinato.graphs.modes import BatchDescriptor
 from ostinato.graphs.plan import CapturePlan, padded_size
 from ostinato.kernels.paged_attention import choose_config
 
@@ -127,6 +128,9 @@ def test_graph_memory_reserve_covers_the_largest_graph_and_every_graph():
     _, without = reserve(full_prefill_max_tokens=0)
     assert without == 20 + 44
     assert graph_memory_reserve([], gib, 8192) == 0
+    # a graph past the step budget holds no more than a budget-sized step's activations
+    past = graph_memory_reserve([BatchDescriptor(16384, None, None)], gib, 8192)
+    assert past == 2 * gib + 4 * mib + 32 * mib
 
 
 def test_an_override_keeps_a_size_equal_to_the_cap():
