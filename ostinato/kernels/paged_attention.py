@@ -201,6 +201,7 @@ def _attention_kernel(
     if DIRECT:
         new_lo = tl.where(ctx_len == 0, 0, new_lo)
         new_rows = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        k_new, v_new = k_ptr + new_rows, v_ptr + new_rows
     for start in range(kv_lo, tl.minimum(unmasked_hi, new_lo), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_base, v_base, bt_row, start, kv_hi, pos, qk_scale,
@@ -209,9 +210,8 @@ def _attention_kernel(
     if DIRECT:
         for start in tl.range(new_lo, unmasked_hi, BLOCK_N, num_stages=DIRECT_STAGES):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr + new_rows, v_ptr + new_rows, bt_row, start, kv_hi,
-                pos, qk_scale, stride_cb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, PRECISION,
-                True,
+                acc, m_i, l_i, q, k_new, v_new, bt_row, start, kv_hi, pos, qk_scale, stride_cb,
+                stride_kt, BLOCK_N, HEAD_DIM, PAGE, False, PRECISION, True,
             )  # fmt: skip
     for start in range(unmasked_hi, tl.maximum(new_lo, unmasked_hi), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -221,9 +221,8 @@ def _attention_kernel(
     if DIRECT:
         for start in range(tl.maximum(new_lo, unmasked_hi), kv_hi, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr + new_rows, v_ptr + new_rows, bt_row, start, kv_hi,
-                pos, qk_scale, stride_cb, stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION,
-                True,
+                acc, m_i, l_i, q, k_new, v_new, bt_row, start, kv_hi, pos, qk_scale, stride_cb,
+                stride_kt, BLOCK_N, HEAD_DIM, PAGE, True, PRECISION, True,
             )  # fmt: skip
 
     if SPLIT and not MERGE:  # split 0 of every token's row, for the combine
