@@ -87,5 +87,8 @@ h)  # s0: is qwen3-0.6b's FULL batch-1 decode host-bound? py-spy (idle included)
 i)  # f (= cc55366, the session's final code): bench_kernels prefill (per-case targets, first run) and moe-route
   (cd .gpu/f && timeout 200 python3 benchmarks/bench_kernels.py --sections prefill,moe-route --out $OUT/kernels-final.md 2>>$OUT/err.txt | tail -n 40)
   ;;
+j)  # t (c8ac201 + the DIRECT loops' k/v row pointers computed once): attention GPU tests
+  TESTS_S=200 gputests t tests/gpu/test_kernels.py
+  ;;
 esac
 grep -iE "error|Traceback" $OUT/err.txt 2>/dev/null | tail -5
