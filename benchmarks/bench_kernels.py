@@ -99,8 +99,9 @@ def matmul_flops() -> float:
 class KVPool:
     """One large random KV cache; each captured call gets disjoint shuffled blocks of it."""
 
-    def __init__(self, blocks: int) -> None:
-        shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    def __init__(self, blocks: int, heads: int = HEADS, kv_heads: int = KV_HEADS) -> None:
+        self.heads, self.kv_heads = heads, kv_heads
+        shape = (blocks, BLOCK, kv_heads, HEAD_DIM)
         self.k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         self.v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
@@ -118,17 +119,18 @@ class KVPool:
         long-query launch reads for the new tokens' tiles."""
         width = -(-max(seq_lens) // BLOCK)
         blocks = len(seq_lens) * width
-        per_call = sum(seq_lens) * KV_HEADS * HEAD_DIM * 2 * 2
+        heads, kv_heads = self.heads, self.kv_heads
+        per_call = sum(seq_lens) * kv_heads * HEAD_DIM * 2 * 2
         count = max(1, min(128, -(-L2_FLUSH_BYTES // per_call), self.k.shape[0] // blocks))
         order = torch.randperm(self.k.shape[0], device="cuda", dtype=torch.int32)
         starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
         query_start_loc = starts.cuda()
         lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-        q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(sum(q_lens), heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
         out = torch.empty_like(q)
-        qkv = torch.randn(sum(q_lens), HEADS + 2 * KV_HEADS, HEAD_DIM, device="cuda",
+        qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, HEAD_DIM, device="cuda",
                           dtype=torch.bfloat16) if new_kv else None  # fmt: skip
-        new = (qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]) if new_kv else None
+        new = (qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]) if new_kv else None
         calls = []
         for i in range(count):
             table = order[i * blocks : (i + 1) * blocks].view(len(seq_lens), width)
@@ -307,6 +309,30 @@ def decode_sweep_rows(pool: KVPool) -> list[list[str]]:
     return rows
 
 
+# (name, query heads, KV heads): the decode layers merge_rows compares, all head_dim 128
+MERGE_SHAPES = (("llama-3.1-8b", 32, 8), ("qwen3-0.6b", 16, 8), ("qwen3-30b-a3b", 32, 4))
+
+
+def merge_rows() -> list[list[str]]:
+    """A split KV's two ways to finish, in each decode layer shape at small batches and
+    short to long contexts: the combine kernel launched after the attention kernel, or the
+    tile's last part merging the others' partials itself (MERGE, one launch)."""
+    rows = []
+    for name, heads, kv_heads in MERGE_SHAPES:
+        pool = KVPool(blocks=32 * 8192 // BLOCK, heads=heads, kv_heads=kv_heads)
+        for batch in (1, 8, 32):
+            for context in (192, 576, 1088, 4096):
+                q_lens, seq_lens = [1] * batch, [context] * batch
+                config = _config_for(q_lens, seq_lens, pool)
+                combined = graph_seconds(pool.calls(q_lens, seq_lens, config))
+                merged = graph_seconds(pool.calls(q_lens, seq_lens, config, merge=True))
+                rows.append([name, str(batch), str(context), str(config.splits),
+                             f"{combined * 1e6:.1f}", f"{merged * 1e6:.1f}",
+                             f"{merged / combined:.3f}"])  # fmt: skip
+        del pool
+    return rows
+
+
 def prefill_sweep_rows(pool: KVPool, matmul: float) -> list[list[str]]:
     """Prefill launch configurations as the engine launches them (the new tokens' KV read from
     k and v; Llama-3.1-8B shape, GQA group 4): tile rows, KV tile, warps and pipeline stages,
@@ -369,7 +395,7 @@ def sdpa_rows(pool: KVPool, matmul: float) -> list[list[str]]:
 
 
 def _config_for(q_lens, seq_lens, pool):
-    q = torch.empty(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    q = torch.empty(sum(q_lens), pool.heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     table = torch.empty(len(seq_lens), -(-max(seq_lens) // BLOCK), device="cuda")
     return attention.choose_config(q, pool.k, table, len(seq_lens))
 
@@ -1125,7 +1151,9 @@ def main() -> None:
         "fp8-row-sweep (the FP8 kernel's launches at one row, llama-3.1-8b), "
         "sweep (launch configurations), decode-sweep (decode "
         "attention's launch configurations at 576 and 1088 tokens of context), "
-        "prefill-sweep (prefill launch configurations), sdpa (fresh prefill: torch's SDPA "
+        "decode-merge (a split KV's combine launch against the merge in the attention "
+        "kernel, in three layer shapes), prefill-sweep (prefill launch configurations), "
+        "sdpa (fresh prefill: torch's SDPA "
         "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
         "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
@@ -1356,6 +1384,15 @@ def main() -> None:
         sections.append(
             "## Decode attention launch configurations at short contexts (µs, fastest first)\n\n"
             + table(["case", "config", "µs"], decode_sweep_rows(pool))
+        )
+    if "decode-merge" in chosen:
+        sections.append(
+            "## Decode attention with a split KV: combine launch against the merge in the "
+            "attention kernel (µs per call in a CUDA graph)\n\n"
+            + table(
+                ["layer", "batch", "context", "splits", "combine µs", "merged µs", "ratio"],
+                merge_rows(),
+            )
         )
     if "lora" in chosen:
         sections.append(
