@@ -1,9 +1,11 @@
 """InputBuffers: a step written into the persistent buffers, padded to its graph's sizes, as
-the graphs read them (on the CPU the device buffers are CPU tensors and copies are plain)."""
+the graphs read them (on the CPU the device buffers are CPU tensors and copies are plain).
+Every test runs twice: the packed step scattered by torch, and by the kernel (interpreted)."""
 
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 
 from ostinato.engine.scheduler import ScheduledBatch
@@ -14,6 +16,13 @@ from ostinato.runner.step import build_step
 from ostinato.sampling_params import SamplingParams
 
 BS = 4
+
+
+@pytest.fixture(autouse=True, params=["torch", "kernel"])
+def unpack_path(request, monkeypatch):
+    if request.param == "kernel":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return request.param
 
 
 def seq(request_id: str, tokens: list[int], computed: int, blocks: list[int]) -> Sequence:
@@ -40,8 +49,9 @@ def mixed_step():
     return build_step(ScheduledBatch([decode, chunk], [1, 3]), BS, full)
 
 
-def test_a_full_steps_padding_stores_nowhere_and_belongs_to_no_request():
+def test_a_full_steps_padding_stores_nowhere_and_belongs_to_no_request(unpack_path):
     b = buffers()
+    assert (b.unpack.launch is not None) == (unpack_path == "kernel")
     assert "lora_tokens" not in b.device  # no adapters, no adapter buffers
     for name in ("slot_mapping", "seq_lens", "query_start_loc", "logits_indices"):
         b.device[name].fill_(99)  # a previous, longer step's leftovers
@@ -73,6 +83,7 @@ def test_metadata_views_the_padded_batch():
     meta = b.metadata(step.padded_tokens, step.padded_reqs)
     assert (meta.num_tokens, meta.num_reqs) == (8, 4)
     assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu.tolist() == [0, 1, 4, 4, 4]
+    assert meta.query_start_loc_cpu.dtype == meta.seq_lens_cpu.dtype == torch.int32  # indices
     assert meta.seq_lens.tolist() == meta.seq_lens_cpu.tolist() == [6, 5, 0, 0]
     assert meta.block_table.shape == (4, 5) and meta.slot_mapping.shape == (8,)
     assert meta.query_start_loc.shape == meta.query_start_loc_cpu.shape == (5,)
@@ -129,3 +140,24 @@ def test_adapter_groups_list_each_slots_tokens_and_pad_to_the_graphs_count():
     assert meta.num_active == 3 and meta.token_indices.shape == (8,)
     assert meta.counts.tolist() == [3, 1, 0] and meta.slots.tolist() == [0, 2, 0]
     assert meta.starts.tolist() == [0, 3, 0] and b.lora_metadata(8, 0) is None
+
+
+def test_the_largest_step_fits_the_packed_buffer():
+    """Every token, request and block-table column in use: each field arrives whole, and the
+    packed payload fills the buffer but its header's spare room (one logits row per token)."""
+    b = buffers()
+    lengths = [3, 3, 3, 3, 2, 2]  # 16 tokens over 6 requests, each with 5 blocks
+    seqs = [
+        seq(f"r{i}", list(range(100 * i, 100 * i + 17)), 17 - q, [10 * i + j for j in range(5)])
+        for i, q in enumerate(lengths)
+    ]
+    whole = lambda *_: (CudaGraphMode.FULL, BatchDescriptor(16, 6, None, 0))
+    step = build_step(ScheduledBatch(seqs, lengths), BS, whole)
+    b.load(step)
+    assert b.device["input_ids"].tolist() == step.input_ids.tolist()
+    assert b.device["slot_mapping"].tolist() == step.slot_mapping.tolist()
+    assert b.device["block_table"].tolist() == step.block_table.tolist()
+    assert b.device["seq_lens"].tolist() == [17] * 6
+    assert b.device["query_start_loc"].tolist() == step.query_start_loc.tolist()
+    assert b.device["logits_indices"][:6].tolist() == step.logits_indices.tolist()
+    assert b.packed.numel() == 5 + 4 * 16 + 2 * 6 + 1 + 6 * 5

@@ -1,7 +1,8 @@
 """Persistent input buffers: allocated once at maximum size, sliced by every step and graph.
 
 CUDA graphs captured the device addresses of these slices, so a step never reallocates them:
-it fills the pinned host mirror and copies the live batch in.
+it packs the live batch into one pinned host buffer, copies that in once, and scatters it into
+the buffers with one kernel (kernels/unpack.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from ostinato.context import AttentionMetadata, LoRAMetadata
+from ostinato.kernels.unpack import HEADER, Unpack, packed_size
 from ostinato.runner.deadline import wait_for
 from ostinato.runner.step import StepInput
 
@@ -27,6 +29,8 @@ _FIELDS = {  # name -> (dtype, shape in terms of (max_tokens, max_reqs, max_bloc
 }
 # with LoRA: tokens grouped by adapter, and each group's slot, start and count (LoRAMetadata)
 _LORA_FIELDS = ("lora_tokens", "lora_slots", "lora_starts", "lora_counts")
+# fields with a host mirror: copied on their own, or (query starts, lengths) read on the host
+_MIRRORED = ("query_start_loc", "seq_lens", "placeholder_tokens", "placeholder_rows")
 
 
 class InputBuffers:
@@ -55,42 +59,52 @@ class InputBuffers:
             shapes |= {n: (torch.int32, s) for n, s in zip(_LORA_FIELDS, lora_shapes, strict=True)}
         for name, (dtype, shape) in shapes.items():
             self.device[name] = torch.zeros(shape, dtype=dtype, device=device)
-            self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        # numpy views of the host mirror: writing through them costs far less per call
+            if name in _MIRRORED or name in _LORA_FIELDS:
+                self.host[name] = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        size = packed_size(max_tokens, max_reqs, max_blocks)
+        self.packed_host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.packed = torch.zeros(size, dtype=torch.int64, device=device)
+        self.unpack = Unpack(self.packed, self.device)
+        # numpy views of the host buffers: writing through them costs far less per call
         self.host_np = {name: t.numpy() for name, t in self.host.items()}
-        # Marks when the device has read the host mirror: copies are asynchronous, and a step
+        self.packed_np = self.packed_host.numpy()
+        # Marks when the device has read the host buffers: copies are asynchronous, and a step
         # that samples nothing never waits on the device, so the next step must before writing.
         self.copied = torch.cuda.Event() if pin else None
 
     def load(self, step: StepInput) -> None:
-        """Write step into the host mirror, pad it to the step's graph sizes, and copy it to
-        the device buffers. Padded tokens store their KV nowhere (slot -1); padded requests
-        have no tokens and no KV."""
+        """Pack step, padded to the step's graph sizes, into the pinned host buffer, copy it to
+        the device in one transfer and scatter it into the buffers. Padded tokens store their
+        KV nowhere (slot -1); padded requests have no tokens and no KV."""
         if self.copied is not None:  # the last step's copies out of the mirror are done
             wait_for(self.copied, self.timeout, "the last step's input copies")
-        h = self.host_np
+        p = self.packed_np
         n, r = step.num_tokens, step.num_reqs
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
         width = step.block_table.shape[1]
-        for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
-            h[name][:n] = getattr(step, name)
-            h[name][n:num_tokens] = pad
-        h["query_start_loc"][: r + 1] = step.query_start_loc
-        h["query_start_loc"][r + 1 : num_reqs + 1] = n
-        h["seq_lens"][:r] = step.seq_lens
-        h["seq_lens"][r:num_reqs] = 0
-        h["block_table"][:r, :width] = step.block_table
         num_rows = len(step.logits_indices)
-        h["logits_indices"][:num_rows] = step.logits_indices
-        d, host = self.device, self.host
-        for name in ("input_ids", "positions", "slot_mapping"):
-            d[name][:num_tokens].copy_(host[name][:num_tokens], True)
-        d["seq_lens"][:num_reqs].copy_(host["seq_lens"][:num_reqs], True)
-        d["logits_indices"][:num_rows].copy_(host["logits_indices"][:num_rows], True)
-        qsl = host["query_start_loc"][: num_reqs + 1]
-        d["query_start_loc"][: num_reqs + 1].copy_(qsl, True)
-        bt = host["block_table"][:num_reqs, :width]
-        d["block_table"][:num_reqs, :width].copy_(bt, True)
+        header = p[:HEADER]
+        header[:] = num_tokens, num_reqs, num_rows, r, width
+        at = HEADER
+        for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            p[at : at + n] = getattr(step, name)
+            p[at + n : at + num_tokens] = pad
+            at += num_tokens
+        p[at : at + num_rows] = step.logits_indices
+        at += num_rows
+        starts = p[at : at + num_reqs + 1]
+        starts[: r + 1] = step.query_start_loc
+        starts[r + 1 :] = n
+        lens = p[at + num_reqs + 1 : at + 2 * num_reqs + 1]
+        lens[:r] = step.seq_lens
+        lens[r:] = 0
+        at += 2 * num_reqs + 1
+        p[at : at + r * width] = step.block_table.ravel()
+        at += r * width
+        self.host_np["query_start_loc"][: num_reqs + 1] = starts
+        self.host_np["seq_lens"][:num_reqs] = lens
+        self.packed[:at].copy_(self.packed_host[:at], True)
+        self.unpack(self.packed, header)
         if step.desc.num_active_loras:
             self._load_lora(step)
         if self.copied is not None:
