@@ -91,6 +91,30 @@ def test_gemv_normed_is_norm_then_projection(rows, silu, with_residual, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 17])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_normed_also_stores_the_normalised_input(rows, with_residual, dtype):
+    """normed_out (a MoE block's router, whose experts read the norm too): the normalised
+    rows come back third, as the norm kernel stores them (within a rounding of the dtype: the
+    sums of squares run in another order), whole although the programs of other column tiles
+    and K splits skip storing; the projection and stream are those of the call without it."""
+    k, n = 1100, 130
+    x = nan_fenced(torch.randn(rows, k).to(dtype), k + 5)
+    residual = nan_fenced(torch.randn(rows, k).to(dtype)) if with_residual else None
+    norm_w = nan_fenced((torch.rand(k) + 0.5).to(dtype))
+    weight = nan_fenced((torch.randn(n, k) * 0.05).to(dtype))
+    out, stream, normed = gemv_normed(x, residual, norm_w, 1e-6, weight, normed_out=True)
+    plain, plain_stream = gemv_normed(x, residual, norm_w, 1e-6, weight)
+    assert torch.equal(out, plain) and torch.equal(stream, plain_stream)
+    assert normed.shape == (rows, k) and normed.is_contiguous()
+    expected = normed_64(stream.double(), norm_w)
+    close(normed, expected, dtype)
+    twin = gemv_normed_torch(x, residual, norm_w, 1e-6, weight, normed_out=True)
+    assert len(twin) == 3
+    close(twin[2], expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 32])
 @pytest.mark.parametrize("silu", [False, True])
 def test_gemv_adds_the_residual_in_its_epilogue(rows, silu, dtype):

@@ -120,3 +120,40 @@ def test_padded_tokens_route_to_no_expert_and_add_nothing():
         out = block(x)
     assert out[3:].abs().max() == 0
     torch.testing.assert_close(out[:3], block(x[:3]))  # outside a step: every token routes
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_a_router_that_normalises_for_the_experts_equals_the_norm_kernel_first(
+    monkeypatch, tokens, with_residual
+):
+    """In a decoder layer the block's input norm runs inside the router's small-batch kernel,
+    which stores the normalised input for the experts (the CPU interpreter stands in for the
+    GPU the kernel takes): the output and the residual stream equal the norm, then the block;
+    without the fusions (linear.FUSE off) the block runs the norm itself."""
+    from ostinato.kernels import gemv as gemv_module
+    from ostinato.layers import linear
+    from ostinato.layers import moe as moe_layer
+    from ostinato.layers.norm import RMSNorm
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fused = []
+    pays = lambda x, w: fused.append(x.shape) or gemv_module.rows_pay(x.shape[0], *w.shape)
+    monkeypatch.setattr(moe_layer, "gemv_pays", pays)
+    torch.manual_seed(0)
+    block = SparseMoeBlock(48, num_experts=6, top_k=2, intermediate_size=32, renormalize=True)
+    norm = RMSNorm(48, 1e-6)
+    for p in (*block.parameters(), *norm.parameters()):
+        p.normal_()
+    x = torch.randn(tokens, 48)
+    residual = torch.randn(tokens, 48) if with_residual else None
+    out, stream = block(x, residual, norm)
+    assert fused == [(tokens, 48)]
+    expected_stream = x if residual is None else x + residual
+    torch.testing.assert_close(stream, expected_stream)
+    torch.testing.assert_close(out, block(norm(expected_stream)), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(linear, "FUSE", False)
+    unfused, unfused_stream = block(x, residual, norm)
+    assert len(fused) == 1  # the router was not asked
+    torch.testing.assert_close(unfused, out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(unfused_stream, expected_stream)

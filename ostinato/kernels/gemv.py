@@ -119,14 +119,17 @@ def gemv_normed(
     bias: torch.Tensor | None = None,
     silu_and_mul: bool = False,
     config: GemvConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    normed_out: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(gemv(rms_norm(s), ...), s) with s = x + residual (a new tensor), or s = x without a
-    residual. x and residual are only read."""
+    residual; normed_out: rms_norm(s) (a new tensor) third, for other consumers of the norm
+    (a MoE block's experts beside its router). x and residual are only read."""
     if use_triton(x):
         return _gemv_triton(
-            x, weight, bias, silu_and_mul, residual, norm_weight, eps, config=config
-        )
-    return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul)
+            x, weight, bias, silu_and_mul, residual, norm_weight, eps, config=config,
+            normed_out=normed_out,
+        )  # fmt: skip
+    return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul, normed_out)
 
 
 def gemv_torch(x, weight, bias=None, silu_and_mul=False, add=None):
@@ -135,9 +138,13 @@ def gemv_torch(x, weight, bias=None, silu_and_mul=False, add=None):
     return y if add is None else y + add
 
 
-def gemv_normed_torch(x, residual, norm_weight, eps, weight, bias=None, silu_and_mul=False):
+def gemv_normed_torch(
+    x, residual, norm_weight, eps, weight, bias=None, silu_and_mul=False, normed_out=False
+):
     stream = x if residual is None else x + residual
-    return gemv_torch(rms_norm_torch(stream, norm_weight, eps), weight, bias, silu_and_mul), stream
+    normed = rms_norm_torch(stream, norm_weight, eps)
+    y = gemv_torch(normed, weight, bias, silu_and_mul)
+    return (y, stream, normed) if normed_out else (y, stream)
 
 
 def gemv_config(m: int, n_out: int, k: int, itemsize: int, sms: int) -> GemvConfig:
@@ -203,17 +210,17 @@ def _activate(gate, up, cols, col_ok, bias_ptr, y_ptr, n_out, HAS_BIAS: tl.const
 
 @jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, n_out, K, eps, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr, ADD_OUT: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, normed_ptr, n_out, K, eps,
+    stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr,
+    ADD_OUT: tl.constexpr, NORM_OUT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row of x: BLOCK_N output columns per program over the whole K, unrolled in CHUNKS
     of BLOCK_K so every weight load is independent of the arithmetic and can be in flight at
     once. With SILU, column j combines weight rows j (gate) and n_out + j (up). With NORM the
     row is normalised first, by every program (after adding res_ptr's row with ADD_IN;
-    program 0 stores the sum at sum_ptr); with ADD_OUT, res_ptr's row is added to the
-    output."""
+    program 0 stores the sum at sum_ptr, and with NORM_OUT the normalised row at normed_ptr);
+    with ADD_OUT, res_ptr's row is added to the output."""
     stored = tl.where(tl.program_id(0) == 0, K, 0)  # the columns this program stores of a sum
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -255,7 +262,10 @@ def _gemv_row_kernel(
         xc = _input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN).to(tl.float32)
         if NORM:  # rounded as the unfused norm stores its output
             g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            xc = (xc * rstd * g).to(x_ptr.dtype.element_ty).to(tl.float32)
+            xc = (xc * rstd * g).to(x_ptr.dtype.element_ty)
+            if NORM_OUT:
+                tl.store(normed_ptr + kk, xc, mask=kk < stored)
+            xc = xc.to(tl.float32)
         gate += tl.sum(w * xc[None, :], axis=1)[None, :]
         if SILU:
             up += tl.sum(u * xc[None, :], axis=1)[None, :]
@@ -276,11 +286,12 @@ def _dot(x, w, acc, F32_DOT: tl.constexpr):
 
 @jit(do_not_specialize=["M"])  # one compiled kernel serves every batch of the same padding
 def _gemv_dot_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, part_ptr, sem_ptr, M, n_out, K,
-    eps, span, stride_xm, stride_wn, stride_ym, stride_rm, stride_sm, stride_pm,
+    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, normed_ptr, part_ptr, sem_ptr, M,
+    n_out, K, eps, span, stride_xm, stride_wn, stride_ym, stride_rm, stride_sm, stride_pm,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr,
-    ADD_OUT: tl.constexpr, F32_DOT: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    ADD_OUT: tl.constexpr, NORM_OUT: tl.constexpr, F32_DOT: tl.constexpr, EVEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows of x (from program_id(2) * ROWS; rows from M on masked to 0) times BLOCK_N
     weight rows (program_id(0)) over `span` columns of K (program_id(1) of SPLIT): tl.dot of
@@ -288,8 +299,9 @@ def _gemv_dot_kernel(
     SILU a second product with the up rows n_out + cols. NORM: x (after adding res_ptr's with
     ADD_IN; the programs of column tile 0 store that sum at sum_ptr) is normalised chunk by
     chunk, rounded as the unfused norm stores it, by the rows' 1/rms from a first pass over
-    the whole rows (every split needs all of K for it). With ADD_OUT, res_ptr's rows are added
-    to the output. EVEN: no masks on the weights.
+    the whole rows (every split needs all of K for it); with NORM_OUT the programs of column
+    tile 0 store the normalised rows at normed_ptr (rows stride_sm apart, as the sum's). With
+    ADD_OUT, res_ptr's rows are added to the output. EVEN: no masks on the weights.
 
     SPLIT > 1: each program stores its fp32 partials in part_ptr [SPLIT, M, stride_pm] (the
     products at their weight rows' columns) and counts itself in sem_ptr; the last of a tile's
@@ -324,12 +336,14 @@ def _gemv_dot_kernel(
         kk = k0 + k
         x_ok = row_ok[:, None] if EVEN else row_ok[:, None] & (kk < K)[None, :]
         xc = _input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
+        stored = tl.where(tile == 0, x_ok, False)  # (the interpreter's & gives integers)
         if ADD_IN:
-            stored = tl.where(tile == 0, x_ok, False)  # (the interpreter's & gives integers)
             tl.store(sum_ptr + rows[:, None] * stride_sm + kk[None, :], xc, mask=stored)
         if NORM:  # rounded as the unfused norm stores its output
             g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             xc = (xc.to(tl.float32) * rstd * g[None, :]).to(x_ptr.dtype.element_ty)
+            if NORM_OUT:
+                tl.store(normed_ptr + rows[:, None] * stride_sm + kk[None, :], xc, mask=stored)
         gate = _dot(xc, load_weights(w_rows, kk, col_ok, K, EVEN), gate, F32_DOT)
         if SILU:
             u = load_weights(w_rows + n_out * stride_wn, kk, col_ok, K, EVEN)
@@ -365,23 +379,27 @@ class GemvPlan:
 
     def __init__(
         self, x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0,
-        add=None, config=None,
+        add=None, config=None, normed_out=False,
     ):  # fmt: skip
         m, k = x.shape
         n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
         norm, add_in = norm_weight is not None, residual is not None
         self.m, self.k, self.n_out, self.add_in, self.launch = m, k, n_out, add_in, None
+        self.normed_out = normed_out
         if m == 0:
             return
         res = residual if add_in else add
         assert not (add_in and add is not None) and (norm or not add_in)
+        assert norm or not normed_out
         assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
         assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
         config = config or gemv_config(m, n_out, k, x.element_size(), num_sms(x.device, 4))
         flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
-                     ADD_OUT=add is not None)  # fmt: skip
+                     ADD_OUT=add is not None, NORM_OUT=normed_out)  # fmt: skip
         stride_r = 0 if res is None else res.stride(0)
-        strides = (x.stride(0), weight.stride(0), stride_r, k if add_in else x.stride(0))
+        # the stored rows (the sum, the normalised input) are new contiguous tensors
+        stride_s = k if add_in or normed_out else x.stride(0)
+        strides = (x.stride(0), weight.stride(0), stride_r, stride_s)
         if config.rows == 1:
             self.launch = _row_launch(m, k, n_out, eps, strides, flags, config)
         else:
@@ -390,27 +408,31 @@ class GemvPlan:
         self.part_width = _part_width(n_out, silu_and_mul)
 
     def __call__(self, x, weight, bias=None, residual=None, norm_weight=None, add=None):
-        """-> (y, the input stream: x + residual when it adds a residual first, else x). Both
-        new tensors are contiguous, in x's dtype, on its device (new_empty: the cheapest
-        allocation from Python, about 1 µs under torch.empty with a dtype and device)."""
+        """-> (y, the input stream: x + residual when it adds a residual first, else x), and
+        with normed_out the normalised input third. The new tensors are contiguous, in x's
+        dtype, on its device (new_empty: the cheapest allocation from Python, about 1 µs under
+        torch.empty with a dtype and device)."""
         y = x.new_empty(self.m, self.n_out)
         stream = x.new_empty(self.m, self.k) if self.add_in else x
+        normed = x.new_empty(self.m, self.k) if self.normed_out else None
+        outputs = (y, stream) if normed is None else (y, stream, normed)
         launch = self.launch
         if launch is None:
-            return y, stream
+            return outputs
         res = residual if self.add_in else add
         head = (x, weight, x if bias is None else bias, y, x if res is None else res, stream,
-                x if norm_weight is None else norm_weight)  # fmt: skip
+                x if norm_weight is None else norm_weight,
+                x if normed is None else normed)  # fmt: skip
         if self.rows == 1:
             launch.run(launch.grid, *head)
-            return y, stream
+            return outputs
         part = sem = x  # unused without a split
         if self.split > 1:
             part = torch.empty(self.split, self.m, self.part_width, dtype=torch.float32,
                                device=x.device)  # fmt: skip
             sem = split_counts(x.device, "GEMV")
         launch.run(launch.grid, *head, part, sem)
-        return y, stream
+        return outputs
 
 
 def gemv_plan(
@@ -435,20 +457,21 @@ _plans: dict[tuple, GemvPlan] = {}
 
 def _gemv_triton(
     x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None,
-    config=None,
+    config=None, normed_out=False,
 ):  # fmt: skip
-    """-> (y, the input stream: x + residual when normed with a residual, else x)."""
+    """-> (y, the input stream: x + residual when normed with a residual, else x), and with
+    normed_out the normalised input."""
     res = residual if residual is not None else add
     # shapes and whole stride tuples: one call each, and everything the plan's checks and
     # launch read of them
     key = (x.device, x.dtype, x.shape, x.stride(), weight.shape, weight.stride(),
            bias is not None, silu_and_mul, norm_weight is not None, residual is not None,
            add is not None, res is not None and (res.shape, res.stride()), eps, config,
-           interpreting())  # fmt: skip
+           normed_out, interpreting())  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = GemvPlan(
-            x, weight, bias, silu_and_mul, residual, norm_weight, eps, add, config
+            x, weight, bias, silu_and_mul, residual, norm_weight, eps, add, config, normed_out
         )
     return plan(x, weight, bias, residual, norm_weight, add)
 
@@ -464,7 +487,7 @@ def _row_launch(m, k, n_out, eps, strides, flags, config: GemvConfig) -> Launch:
     return Launch(
         _gemv_row_kernel,
         (triton.cdiv(n_out, config.block_n), 1, 1),
-        num_head=7,  # x, weight, bias, y, residual, stream, norm weight
+        num_head=8,  # x, weight, bias, y, residual, stream, norm weight, normed
         tail=(n_out, k, eps, strides[1]),
         constexprs=dict(
             BLOCK_N=config.block_n,
@@ -484,7 +507,7 @@ def _dot_launch(m, k, n_out, eps, strides, flags, config: GemvConfig, dtype) -> 
     return Launch(
         _gemv_dot_kernel,
         (triton.cdiv(n_out, config.block_n), config.split, triton.cdiv(m, config.rows)),
-        num_head=9,  # x, weight, bias, y, residual, stream, norm weight, partials, counts
+        num_head=10,  # x, weight, bias, y, residual, stream, norm weight, normed, partials, counts
         tail=(m, n_out, k, eps, config.span, *strides[:2], n_out, *strides[2:], stride_p),
         constexprs=dict(
             ROWS=config.rows,

@@ -1,7 +1,8 @@
 """A sparse mixture-of-experts block: a router picks each token's top-k experts on the device
 (softmax, top-k, renormalised as the model defines it), the fused kernel (kernels/moe.py) runs
 their SiLU MLPs. The router's projection takes the small-batch kernel where it pays (a decode
-batch), as the dense projections do.
+batch), as the dense projections do, and then normalises the layer's input itself and stores it
+for the experts: the norm kernel before it is not launched.
 
 Under tensor parallelism every rank holds every expert and its share of each expert's
 intermediate features (gate|up rows and down columns, as a dense MLP splits them): each rank's
@@ -16,7 +17,9 @@ from torch import nn
 
 from ostinato.context import current_forward_context
 from ostinato.distributed.parallel import tp_group
+from ostinato.kernels.gemv import gemv_normed, gemv_pays
 from ostinato.kernels.moe import routed_moe
+from ostinato.layers import linear
 from ostinato.layers.linear import project
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
@@ -112,7 +115,14 @@ class SparseMoeBlock(nn.Module):
         """The layer's output for x; in a decoder layer (norm given) as LlamaMLP.forward: the
         residual stream x + residual normalised in, (output, the stream) out, the add pending."""
         if norm is not None:
+            if linear.FUSE and gemv_pays(x, self.gate.weight):
+                logits, stream, normed = gemv_normed(
+                    x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True
+                )
+                return self._experts(normed, logits), stream
             normed, residual = norm.stream(x, residual)
             return self(normed), residual
-        logits = project(x, self.gate.weight)
+        return self._experts(x, project(x, self.gate.weight))
+
+    def _experts(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return self.experts(x, logits, self.renormalize, padding_slots(x.shape[0]))

@@ -196,6 +196,31 @@ def test_gemv_norm_rounds_as_the_unfused_norm(rows):
     assert (out != expected).float().mean().item() <= 0.005
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_a_routers_gemv_stores_the_norm_for_the_experts(rows, with_residual):
+    """normed_out at qwen3-30b-a3b's router (128 experts x 2048): the normalised rows as the
+    norm kernel stores them (an ulp may move where 1/rms does, rarely), in a CUDA graph whose
+    replays with new inputs equal fresh launches."""
+    k = 2048
+    x = torch.randn(rows, k, device="cuda", dtype=BF16)
+    residual = torch.randn(rows, k, device="cuda", dtype=BF16) if with_residual else None
+    norm_w = (torch.rand(k, device="cuda") + 0.5).to(BF16)
+    router = torch.randn(128, k, device="cuda", dtype=BF16) * 0.03
+    run = lambda: gemv_normed(x, residual, norm_w, 1e-6, router, normed_out=True)
+    logits, stream, normed = run()
+    expected = rms_norm(x if residual is None else x + residual, norm_w, 1e-6)
+    assert (normed != expected).float().mean().item() <= 0.005
+    assert_rel(logits, expected.double() @ router.double().T)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    x.normal_()
+    graph.replay()
+    for got, fresh in zip(captured, run(), strict=True):
+        torch.testing.assert_close(got, fresh, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 32])
 @pytest.mark.parametrize(
     "n, k, silu", [(1024, 2048, False), (4096, 4096, False), (2048, 1024, True)]
@@ -551,3 +576,32 @@ def test_fresh_prompt_steps_through_sdpa_and_captured(shape):
         plan(batch["q"], k, v, graphed, batch["k_cache"], batch["v_cache"], scale)
     graph.replay()
     check(batch, graphed)
+
+
+def test_a_packed_step_arrives_in_the_cuda_buffers_as_on_the_cpu():
+    """InputBuffers on the GPU (pinned packed buffer, one copy, the compiled unpack kernel)
+    leave every persistent buffer as the CPU's torch path does, over steps of changing sizes."""
+    from test_input_buffers import mixed_step, seq
+
+    from ostinato.engine.scheduler import ScheduledBatch
+    from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
+    from ostinato.runner.input_buffers import InputBuffers
+    from ostinato.runner.step import build_step
+
+    def whole(*_):
+        return CudaGraphMode.FULL, BatchDescriptor(16, 6, None, 0)
+
+    lengths = [3, 3, 3, 3, 2, 2]
+    seqs = [seq(f"r{i}", list(range(17)), 17 - q, [10 * i + j + 2**23 for j in range(5)])
+            for i, q in enumerate(lengths)]  # fmt: skip
+    large = build_step(ScheduledBatch(seqs, lengths), 4, whole)
+    sizes = dict(max_tokens=16, max_reqs=6, max_blocks=5)
+    gpu = InputBuffers(**sizes, device=torch.device("cuda"))
+    cpu = InputBuffers(**sizes, device=torch.device("cpu"))
+    assert gpu.unpack.launch is not None and cpu.unpack.launch is None
+    for step in (large, mixed_step(), large):
+        gpu.load(step)
+        cpu.load(step)
+        torch.cuda.synchronize()
+        for name, t in cpu.device.items():
+            assert gpu.device[name].cpu().tolist() == t.tolist(), name
