@@ -41,6 +41,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "sequence": ("ostinato/engine/sequence.py", ["tests/test_scheduler.py", "tests/test_step.py"]),
     "step": ("ostinato/runner/step.py", ["tests/test_step.py"]),
     "input_buffers": ("ostinato/runner/input_buffers.py", ["tests/test_input_buffers.py"]),
+    "config": ("ostinato/config.py", ["tests/test_config.py"]),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant

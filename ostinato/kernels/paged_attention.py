@@ -131,10 +131,12 @@ def _attention_kernel(
     deep. A request with context reads the cache alone: its new tokens' tiles from k and v
     after the cache's tiles were up to 11% slower than all from the cache, and a branch
     around the loops stopped their pipelining (benchmarks/h100-2026-11-27-s28.md).
-    PDL: lengths, block table and query starts are the host's copies, made before the step's
-    first kernel, so finding the tile's request and KV range overlaps the kernel before this
-    one; q and the cache are read after the wait (qwen3-0.6b's batch-1 decode 0.947 -> 0.932
-    ms on the H100, benchmarks/h100-2026-11-26-s27.md)."""
+    PDL: lengths, block table and query starts are the step's inputs, written by
+    kernels/unpack.py before the step's first kernel, which waits for it: torch's embedding, or
+    a later pipeline stage's receive, launched without PDL. So finding the tile's request and
+    KV range overlaps the kernel before this one; q and the cache are read after the wait
+    (qwen3-0.6b's batch-1 decode 0.947 -> 0.932 ms on the H100,
+    benchmarks/h100-2026-11-26-s27.md)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)

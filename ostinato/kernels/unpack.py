@@ -40,8 +40,8 @@ def payload_size(header) -> int:
 
 
 class Unpack:
-    """unpack(packed) scatters a packed step into `buffers` (name -> tensor, FIELDS' dtypes
-    and sizes) on packed's device; packed holds at least HEADER + the payload."""
+    """unpack(packed, header) scatters a packed step into `buffers` (name -> tensor, FIELDS'
+    dtypes and sizes) on packed's device; packed holds at least HEADER + the payload."""
 
     def __init__(self, packed: torch.Tensor, buffers: dict[str, torch.Tensor]) -> None:
         self.buffers = buffers
