@@ -42,6 +42,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "step": ("ostinato/runner/step.py", ["tests/test_step.py"]),
     "input_buffers": ("ostinato/runner/input_buffers.py", ["tests/test_input_buffers.py"]),
     "config": ("ostinato/config.py", ["tests/test_config.py"]),
+    "layout": ("ostinato/layout.py", ["tests/test_layout.py"]),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant
