@@ -14,6 +14,8 @@ table's first rows (rows x width, row-major).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -34,7 +36,7 @@ def packed_size(max_tokens: int, max_reqs: int, max_blocks: int) -> int:
     return HEADER + 4 * max_tokens + 2 * max_reqs + 1 + max_reqs * max_blocks
 
 
-def payload_size(header) -> int:
+def payload_size(header: Sequence[int]) -> int:
     tokens, reqs, rows, table_rows, width = (int(v) for v in header)
     return 3 * tokens + rows + 2 * reqs + 1 + table_rows * width
 
@@ -54,7 +56,7 @@ class Unpack:
                 constexprs=dict(HEADER=HEADER, BLOCK=BLOCK),
             )  # fmt: skip
 
-    def __call__(self, packed: torch.Tensor, header) -> None:
+    def __call__(self, packed: torch.Tensor, header: Sequence[int]) -> None:
         """header: the packed header's values, as the host wrote them."""
         if self.launch is None:
             return unpack_torch(packed, header, self.buffers)
@@ -62,7 +64,9 @@ class Unpack:
         self.launch.run((programs, 1, 1), packed)
 
 
-def unpack_torch(packed: torch.Tensor, header, buffers: dict[str, torch.Tensor]) -> None:
+def unpack_torch(
+    packed: torch.Tensor, header: Sequence[int], buffers: dict[str, torch.Tensor]
+) -> None:
     tokens, reqs, rows, table_rows, width = (int(v) for v in header)
     sizes = {name: tokens for name in TOKEN_FIELDS}
     sizes |= {"logits_indices": rows, "query_start_loc": reqs + 1, "seq_lens": reqs}
