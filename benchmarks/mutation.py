@@ -43,6 +43,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "input_buffers": ("ostinato/runner/input_buffers.py", ["tests/test_input_buffers.py"]),
     "config": ("ostinato/config.py", ["tests/test_config.py"]),
     "layout": ("ostinato/layout.py", ["tests/test_layout.py"]),
+    "quantization": ("ostinato/quantization.py", ["tests/test_quantization_spec.py"]),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant
