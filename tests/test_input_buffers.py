@@ -142,17 +142,24 @@ def test_adapter_groups_list_each_slots_tokens_and_pad_to_the_graphs_count():
     assert meta.starts.tolist() == [0, 3, 0] and b.lora_metadata(8, 0) is None
 
 
-def test_the_largest_step_fits_the_packed_buffer():
-    """Every token, request and block-table column in use: each field arrives whole, and the
-    packed payload fills the buffer but its header's spare room (one logits row per token)."""
-    b = buffers()
-    lengths = [3, 3, 3, 3, 2, 2]  # 16 tokens over 6 requests, each with 5 blocks
+def largest_step(first_block: int = 0):
+    """Every token, request and block-table column of buffers() in use: 16 tokens over 6
+    requests of 17 tokens, each with 5 blocks (numbered from first_block)."""
+    lengths = [3, 3, 3, 3, 2, 2]
     seqs = [
-        seq(f"r{i}", list(range(100 * i, 100 * i + 17)), 17 - q, [10 * i + j for j in range(5)])
+        seq(f"r{i}", list(range(100 * i, 100 * i + 17)), 17 - q,
+            [first_block + 10 * i + j for j in range(5)])
         for i, q in enumerate(lengths)
-    ]
+    ]  # fmt: skip
     whole = lambda *_: (CudaGraphMode.FULL, BatchDescriptor(16, 6, None, 0))
-    step = build_step(ScheduledBatch(seqs, lengths), BS, whole)
+    return build_step(ScheduledBatch(seqs, lengths), BS, whole)
+
+
+def test_the_largest_step_fits_the_packed_buffer():
+    """Each field of the largest step arrives whole, and the packed payload fills the buffer
+    but its header's spare room (one logits row per token)."""
+    b = buffers()
+    step = largest_step()
     b.load(step)
     assert b.device["input_ids"].tolist() == step.input_ids.tolist()
     assert b.device["slot_mapping"].tolist() == step.slot_mapping.tolist()

@@ -36,11 +36,6 @@ def packed_size(max_tokens: int, max_reqs: int, max_blocks: int) -> int:
     return HEADER + 4 * max_tokens + 2 * max_reqs + 1 + max_reqs * max_blocks
 
 
-def payload_size(header: Sequence[int]) -> int:
-    tokens, reqs, rows, table_rows, width = (int(v) for v in header)
-    return 3 * tokens + rows + 2 * reqs + 1 + table_rows * width
-
-
 class Unpack:
     """unpack(packed, header) scatters a packed step into `buffers` (name -> tensor, FIELDS'
     dtypes and sizes) on packed's device; packed holds at least HEADER + the payload."""
@@ -56,12 +51,12 @@ class Unpack:
                 constexprs=dict(HEADER=HEADER, BLOCK=BLOCK),
             )  # fmt: skip
 
-    def __call__(self, packed: torch.Tensor, header: Sequence[int]) -> None:
-        """header: the packed header's values, as the host wrote them."""
+    def __call__(self, packed: torch.Tensor, header: Sequence[int], payload: int) -> None:
+        """header: the packed header's values, as the host wrote them; payload: the values
+        after it."""
         if self.launch is None:
             return unpack_torch(packed, header, self.buffers)
-        programs = triton.cdiv(payload_size(header), BLOCK)
-        self.launch.run((programs, 1, 1), packed)
+        self.launch.run((triton.cdiv(payload, BLOCK), 1, 1), packed)
 
 
 def unpack_torch(

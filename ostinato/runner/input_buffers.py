@@ -104,7 +104,7 @@ class InputBuffers:
         self.host_np["query_start_loc"][: num_reqs + 1] = starts
         self.host_np["seq_lens"][:num_reqs] = lens
         self.packed[:at].copy_(self.packed_host[:at], True)
-        self.unpack(self.packed, header)
+        self.unpack(self.packed, header, at - HEADER)
         if step.desc.num_active_loras:
             self._load_lora(step)
         if self.copied is not None:

@@ -581,23 +581,13 @@ def test_fresh_prompt_steps_through_sdpa_and_captured(shape):
 def test_a_packed_step_arrives_in_the_cuda_buffers_as_on_the_cpu():
     """InputBuffers on the GPU (pinned packed buffer, one copy, the compiled unpack kernel)
     leave every persistent buffer as the CPU's torch path does, over steps of changing sizes."""
-    from test_input_buffers import mixed_step, seq
+    from test_input_buffers import buffers, largest_step, mixed_step
 
-    from ostinato.engine.scheduler import ScheduledBatch
-    from ostinato.graphs.modes import BatchDescriptor, CudaGraphMode
     from ostinato.runner.input_buffers import InputBuffers
-    from ostinato.runner.step import build_step
 
-    def whole(*_):
-        return CudaGraphMode.FULL, BatchDescriptor(16, 6, None, 0)
-
-    lengths = [3, 3, 3, 3, 2, 2]
-    seqs = [seq(f"r{i}", list(range(17)), 17 - q, [10 * i + j + 2**23 for j in range(5)])
-            for i, q in enumerate(lengths)]  # fmt: skip
-    large = build_step(ScheduledBatch(seqs, lengths), 4, whole)
-    sizes = dict(max_tokens=16, max_reqs=6, max_blocks=5)
-    gpu = InputBuffers(**sizes, device=torch.device("cuda"))
-    cpu = InputBuffers(**sizes, device=torch.device("cpu"))
+    large = largest_step(first_block=2**23)  # slots past float32's exact integers
+    cpu = buffers()
+    gpu = InputBuffers(cpu.max_tokens, cpu.max_reqs, cpu.max_blocks, torch.device("cuda"))
     assert gpu.unpack.launch is not None and cpu.unpack.launch is None
     for step in (large, mixed_step(), large):
         gpu.load(step)
