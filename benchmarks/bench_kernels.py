@@ -163,9 +163,9 @@ def decode_rows(pool: KVPool, copy_bw: float) -> list[list[str]]:
     return rows
 
 
-def prefill_flops(q_lens: list[int]) -> int:
+def prefill_flops(q_lens: list[int], heads: int = HEADS) -> int:
     """Causal attention, fresh prompts: QK^T and PV over the q(q+1)/2 visible pairs."""
-    return sum(4 * HEADS * HEAD_DIM * q * (q + 1) // 2 for q in q_lens)
+    return sum(4 * heads * HEAD_DIM * q * (q + 1) // 2 for q in q_lens)
 
 
 def prefill_rows(pool: KVPool, matmul: float) -> list[list[str]]:
@@ -333,64 +333,84 @@ def merge_rows() -> list[list[str]]:
     return rows
 
 
-def prefill_sweep_rows(pool: KVPool, matmul: float) -> list[list[str]]:
+# (name, query heads, KV heads, (prompts, length) cases): the layer shapes the prefill
+# sweep and the SDPA comparison run, all head_dim 128. qwen3-0.6b's GQA group of 2 packs half
+# as many heads per tile as Llama's 4, and its one-prompt steps are issue 17's TTFT cases.
+PREFILL_SHAPES = (
+    ("llama-3.1-8b", 32, 8, ((8, 512), (1, 2048), (1, 4096))),
+    ("qwen3-0.6b", 16, 8, ((1, 512), (1, 1024), (1, 2048), (4, 512))),
+)
+
+
+def prefill_variants(group: int) -> list:
+    """Launch configurations of a fresh prefill for a GQA group: 64 or 128 rows a tile (the
+    tile's tokens follow from the group), KV tiles of 32-128, 4 or 8 warps, 2-3 stages."""
+    kinds = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 3), (64, 8, 2), (64, 8, 3), (128, 8, 2))
+    return [
+        attention.Config(block_m // group, block_m, block_n, 1, warps, stages)
+        for block_m in (64, 128)
+        for block_n, warps, stages in kinds
+    ]
+
+
+def prefill_sweep_rows(matmul: float) -> list[list[str]]:
     """Prefill launch configurations as the engine launches them (the new tokens' KV read from
-    k and v; Llama-3.1-8B shape, GQA group 4): tile rows, KV tile, warps and pipeline stages,
-    fastest first, each as a fraction of the matmul rate."""
-    Config = attention.Config
-    variants = [
-        Config(32, 128, 64, 1, 8, 5), Config(32, 128, 64, 1, 8, 3), Config(32, 128, 64, 1, 8, 2),
-        Config(32, 128, 64, 1, 4, 3), Config(32, 128, 128, 1, 8, 3),
-        Config(32, 128, 128, 1, 8, 2), Config(32, 128, 32, 1, 4, 3), Config(16, 64, 64, 1, 4, 3),
-        Config(16, 64, 64, 1, 4, 2), Config(16, 64, 128, 1, 4, 3), Config(64, 256, 64, 1, 8, 3),
-        Config(64, 256, 32, 1, 8, 2), Config(32, 128, 64, 1, 8, 1), Config(16, 64, 64, 1, 4, 1),
-    ]  # fmt: skip
+    k and v), in each PREFILL_SHAPES layer shape: fastest first, each as a fraction of the
+    matmul rate."""
     rows = []
-    for batch, length in ((8, 512), (1, 4096)):
-        q_lens = [length] * batch
-        flops = prefill_flops(q_lens)
-        case = f"prefill {batch} x {length}"
-        timed = _time_variants(pool, case, q_lens, q_lens, variants, new_kv=True)
-        rows += [[*row, f"{flops / (float(row[2]) / 1e6) / matmul:.2f}"] for row in timed]
+    for name, heads, kv_heads, cases in PREFILL_SHAPES:
+        pool = KVPool(blocks=32 * 8192 // BLOCK, heads=heads, kv_heads=kv_heads)
+        for batch, length in cases:
+            q_lens = [length] * batch
+            flops = prefill_flops(q_lens, heads)
+            case = f"{name} {batch} x {length}"
+            variants = prefill_variants(heads // kv_heads)
+            timed = _time_variants(pool, case, q_lens, q_lens, variants, new_kv=True)
+            rows += [[*row, f"{flops / (float(row[2]) / 1e6) / matmul:.2f}"] for row in timed]
+        del pool
     return rows
 
 
 SDPA_BACKENDS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 
 
-def sdpa_rows(pool: KVPool, matmul: float) -> list[list[str]]:
-    """Fresh causal prefill through torch's SDPA backends against our paged kernel: q, k and v
-    are strided views of one fused qkv buffer, as the model leaves them, and each call copies
-    its result into the layer's output, so the row is what the engine would pay."""
+def sdpa_rows(matmul: float) -> list[list[str]]:
+    """Fresh causal prefill through torch's SDPA backends against our paged kernel, in each
+    PREFILL_SHAPES layer shape: q, k and v are strided views of one fused qkv buffer, as the
+    model leaves them, and each call copies its result into the layer's output, so the row is
+    what the engine would pay."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
-    for batch, length in ((8, 512), (16, 512), (1, 2048), (1, 4096), (1, 8192)):
-        q_lens = [length] * batch
-        flops = prefill_flops(q_lens)
-        timed = {"ours (paged)": graph_seconds(pool.calls(q_lens, q_lens, new_kv=True))}
-        qkv = torch.randn(batch * length, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda",
-                          dtype=torch.bfloat16)  # fmt: skip
-        q, k, v = (
-            t.view(batch, length, -1, HEAD_DIM).transpose(1, 2)
-            for t in qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], 1)
-        )
-        out = torch.empty(batch, length, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    for name, heads, kv_heads, cases in PREFILL_SHAPES:
+        pool = KVPool(blocks=32 * 8192 // BLOCK, heads=heads, kv_heads=kv_heads)
+        for batch, length in cases:
+            q_lens = [length] * batch
+            flops = prefill_flops(q_lens, heads)
+            timed = {"ours (paged)": graph_seconds(pool.calls(q_lens, q_lens, new_kv=True))}
+            qkv = torch.randn(batch * length, (heads + 2 * kv_heads) * HEAD_DIM, device="cuda",
+                              dtype=torch.bfloat16)  # fmt: skip
+            q, k, v = (
+                t.view(batch, length, -1, HEAD_DIM).transpose(1, 2)
+                for t in qkv.split([heads * HEAD_DIM, kv_heads * HEAD_DIM, kv_heads * HEAD_DIM], 1)
+            )
+            out = torch.empty(batch, length, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
 
-        def call(q=q, k=k, v=v, out=out):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            out.copy_(o.transpose(1, 2))
+            def call(q=q, k=k, v=v, out=out):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                out.copy_(o.transpose(1, 2))
 
-        for name in SDPA_BACKENDS:
-            try:
-                with sdpa_kernel(getattr(SDPBackend, name)):
-                    timed[name.lower()] = graph_seconds([call] * 4)
-            except Exception as error:  # a backend that rejects the shape or the GPU
-                print(f"sdpa {name} {batch} x {length}: {type(error).__name__}: {error}"[:300])
-        for name, seconds in timed.items():
-            rate = flops / seconds
-            rows.append([f"{batch} x {length}", name, f"{seconds * 1e3:.3f}",
-                         f"{rate / 1e12:.0f}", f"{rate / matmul:.2f}"])  # fmt: skip
+            for backend in SDPA_BACKENDS:
+                try:
+                    with sdpa_kernel(getattr(SDPBackend, backend)):
+                        timed[backend.lower()] = graph_seconds([call] * 4)
+                except Exception as error:  # a backend that rejects the shape or the GPU
+                    print(f"sdpa {backend} {name} {batch} x {length}: {error!r}"[:300])
+            for kernel, seconds in timed.items():
+                rate = flops / seconds
+                rows.append([name, f"{batch} x {length}", kernel, f"{seconds * 1e3:.3f}",
+                             f"{rate / 1e12:.0f}", f"{rate / matmul:.2f}"])  # fmt: skip
+        del pool
     return rows
 
 
@@ -1152,9 +1172,10 @@ def main() -> None:
         "sweep (launch configurations), decode-sweep (decode "
         "attention's launch configurations at 576 and 1088 tokens of context), "
         "decode-merge (a split KV's combine launch against the merge in the attention "
-        "kernel, in three layer shapes), prefill-sweep (prefill launch configurations), "
-        "sdpa (fresh prefill: torch's SDPA "
-        "backends against ours), fp8 (the FP8 small-batch kernel against the one it replaced, "
+        "kernel, in three layer shapes), prefill-sweep (prefill launch configurations, in "
+        "llama-3.1-8b's and qwen3-0.6b's layer shapes), sdpa (fresh prefill: torch's SDPA "
+        "backends against ours, in the same shapes), fp8 (the FP8 small-batch kernel "
+        "against the one it replaced, "
         "bf16 cuBLAS and copy bandwidth), fp8-sweep (its launch configurations), moe "
         "(qwen3-30b-a3b's MoE GEMMs at 1, 8 and 32 tokens against their launch before and "
         "copy bandwidth), moe-sweep (their launch configurations), moe-block (its whole MoE "
@@ -1167,7 +1188,7 @@ def main() -> None:
     chosen = set(args.sections.split(","))
     torch.manual_seed(0)
     copy_bw, matmul = copy_bandwidth(), matmul_flops()
-    attention_sections = {"decode", "prefill", "sweep", "decode-sweep", "prefill-sweep", "sdpa"}
+    attention_sections = {"decode", "prefill", "sweep", "decode-sweep"}
     pool = KVPool(blocks=128 * 8192 // BLOCK) if chosen & attention_sections else None
     sections = [
         f"# Kernel benchmarks: {torch.cuda.get_device_name()}\n\n"
@@ -1405,13 +1426,13 @@ def main() -> None:
         )
     if "prefill-sweep" in chosen:
         sections.append(
-            "## Prefill attention launch configurations (fastest first)\n\n"
-            + table(["case", "config", "µs", "of matmul"], prefill_sweep_rows(pool, matmul))
+            "## Prefill attention launch configurations, per layer shape (fastest first)\n\n"
+            + table(["case", "config", "µs", "of matmul"], prefill_sweep_rows(matmul))
         )
     if "sdpa" in chosen:
         sections.append(
             "## Fresh causal prefill: torch SDPA backends against our paged kernel\n\n"
-            + table(["tokens", "kernel", "ms", "TFLOP/s", "of matmul"], sdpa_rows(pool, matmul))
+            + table(["layer", "tokens", "kernel", "ms", "TFLOP/s", "of matmul"], sdpa_rows(matmul))
         )
     report = "\n\n".join(sections) + "\n"
     print(report)
