@@ -35,6 +35,7 @@ from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import (
     Config,
     LayerShape,
+    Rope,
     choose_config,
     launch_classes,
     paged_attention_torch,
@@ -519,6 +520,72 @@ def test_short_queries_and_split_launches_read_only_the_cache():
     assert not PagedAttention(*args, new_kv=k).direct
 
 
+# decodes (one at position 0, one across a block boundary, long ones), padding requests; with
+# a padding token, as many tokens as requests (a decode graph pads both alike)
+ROPE_SEQ = [17, 1, 40, 100, 0, 0]
+
+
+def rope_decode(group, dtype, norm, config=None, merge=False):
+    """A decode batch whose q and new k and v rows come unrotated from the projection (views of
+    one qkv buffer) and whose cache is NaN at the new tokens' slots: the ROPE launch's output
+    and cache against rope_and_store_torch followed by the torch reference attention."""
+    heads, kv_heads, head_dim, eps = 2 * group, 2, 64, 1e-6
+    batch = make_batch([int(s > 0) for s in ROPE_SEQ], ROPE_SEQ, heads, kv_heads, head_dim,
+                       dtype, pad_tokens=1)  # fmt: skip
+    tokens, real = batch.q.shape[0], int(batch.query_start_loc[-1])
+    qkv = nan_fenced(torch.randn(tokens, heads + 2 * kv_heads, head_dim).to(dtype))
+    q, k, v = qkv.split([heads, kv_heads, kv_heads], 1)
+    new_slots = [s[-1].item() for s in batch.slots if len(s)]
+    slot_mapping = torch.tensor(new_slots + [-1] * (tokens - real))
+    positions = torch.tensor([s - 1 for s in ROPE_SEQ if s] + [0] * (tokens - real))
+    for cache in (batch.k_cache, batch.v_cache):
+        cache.flatten(0, 1)[new_slots] = NAN  # what the launch must store, not read
+    table = cos_sin_cache(head_dim, 128)
+    weights = [(torch.rand(head_dim) + 0.5).to(dtype) for _ in "qk"] if norm else [None, None]
+    caches = [c.clone() for c in (batch.k_cache, batch.v_cache)]
+    expected = torch.full_like(batch.q, NAN)
+    q_ref, k_ref, v_ref = q.clone(), k.clone(), v.clone()
+    rope_and_store_torch(q_ref, k_ref, v_ref, positions, table, *caches, slot_mapping, *weights,
+                         eps)  # fmt: skip
+    b, scale = batch, head_dim**-0.5
+    paged_attention_torch(q_ref, *caches, expected, b.query_start_loc, b.seq_lens, b.block_table,
+                          scale)  # fmt: skip
+    out = nan_fenced(torch.full(b.q.shape, NAN, dtype=dtype))
+    rope = Rope(table, slot_mapping, norm, eps)
+    attention = PagedAttention(q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table,
+                               scale, config, merge, new_kv=k, rope=rope)  # fmt: skip
+    attention(q, b.k_cache, b.v_cache, out, k, v, *weights)
+    assert not out[:real].isnan().any()
+    assert out[real:].isnan().all() and fence_intact(out), "a padding token's row was written"
+    close(out[:real], expected[:real], dtype, scale=10)
+    for cache, reference in zip((b.k_cache, b.v_cache), caches, strict=True):
+        close(cache.flatten(0, 1)[new_slots], reference.flatten(0, 1)[new_slots], dtype)
+        unused = torch.ones(cache.flatten(0, 1).shape[0], dtype=torch.bool)
+        unused[[s for slots in b.slots for s in slots.tolist()]] = False
+        assert cache.flatten(0, 1)[unused].isnan().all() and fence_intact(cache)
+    return attention
+
+
+@pytest.mark.parametrize("kind", ["auto", "decode", "decode-split16"])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_decode_launch_rotates_stores_and_attends(kind, group, norm):
+    """ROPE: the decode launch rotates q and k (after Qwen3's norms), stores k and v at the new
+    slots, and attends to the new token from registers, as RoPE + store then attention do;
+    the part holding the new position may be any of up to 16 (a request at position 0 has
+    no cache tile at all)."""
+    assert rope_decode(group, torch.float32, norm, config_for(kind, group)).rope
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_merging_decode_launch_rotates_too(norm):
+    rope_decode(2, torch.float32, norm, config_for("decode-split16", 2), merge=True)
+
+
+def test_a_half_precision_decode_launch_rotates_as_the_unfused_kernels_round():
+    rope_decode(2, torch.float16, True)
+
+
 def test_paged_attention_half_precision_decode():
     batch = make_batch([1, 1, 1, 0], [16, 49, 5, 0], 8, 2, 64, torch.float16, pad_tokens=1)
     out, scale = run_attention(batch)
@@ -857,6 +924,31 @@ def test_graph_warm_ups_and_captures_keep_the_paged_kernel(monkeypatch):
     assert len(sdpa_calls) == 1
 
 
+@pytest.mark.parametrize(
+    "q_lens, rotates",
+    [
+        ([1], False),  # one request keeps the RoPE kernel (ROTATE_MIN_REQS)
+        ([1, 1], True),
+        ([1, 1, 0], True),  # and a padding request
+        ([1, 2], False),  # a longer query: a verify step, a chunk
+        ([0], False),  # nothing to attend
+    ],
+)
+def test_decode_steps_rotate_in_the_attention_launch(q_lens, rotates):
+    """plan.rotates: steps of one token per request, from two requests; the batch alone
+    decides, so a plan made for a live step that then serves as a graph's warm-up (lazy
+    capture) answers as the capture's own plan will."""
+    from ostinato.attention import triton_backend
+    from ostinato.kernels import variants
+
+    meta = _metadata(q_lens, [9] * len(q_lens))
+    live = triton_backend.TritonAttentionBackend().plan(meta)
+    with variants.recording():
+        assert live.rotates is rotates
+        with variants.warm_only():
+            assert triton_backend.TritonAttentionBackend().plan(meta).rotates is rotates
+
+
 class _Steps:
     """Eager steps through one backend over persistent metadata buffers, as the runner makes
     them (slices of its buffers: the same addresses every step), on one KV cache."""
@@ -871,9 +963,9 @@ class _Steps:
         self.built, self.merged = [], []  # what each PagedAttention was built with
         build = triton_backend.PagedAttention
 
-        def spy(*args, merge=False, new_kv=None):
+        def spy(*args, merge=False, **kwargs):
             self.merged.append(merge)
-            self.built.append(build(*args, merge=merge, new_kv=new_kv))
+            self.built.append(build(*args, merge=merge, **kwargs))
             return self.built[-1]
 
         monkeypatch.setattr(triton_backend, "PagedAttention", spy)

@@ -132,6 +132,46 @@ def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, m
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("breaks", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # + q/k norms
+def test_a_decode_step_rotates_in_its_attention_launch(arch, breaks, tmp_path, monkeypatch):
+    """A decode step through the Triton backend (interpreted on the CPU): the attention launch
+    rotates q and k (after Qwen3's norms) and stores k and v itself, no RoPE + store launch,
+    and the logits are HF's. Where the attention call is to be a break between captured
+    segments (a PIECEWISE capture's warm-up), RoPE + store stay in the layer and the launch
+    takes no rotation: the same logits."""
+    from ostinato.attention.triton_backend import TritonAttentionBackend
+    from ostinato.graphs.breakable import warm_up_for
+    from ostinato.layers import rotary as rotary_module
+
+    checkpoint = make_hf_checkpoint(arch, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model = load(checkpoint)
+    lens = [5, 17, 33]
+    seqs = [torch.randint(0, hf.config.vocab_size, (n + 1,)) for n in lens]
+    with torch.no_grad():
+        want = torch.cat([hf(s[None]).logits[0, -1:] for s in seqs])
+    kv = kv_caches(hf.config)
+    positions, meta = step_metadata([0] * len(lens), lens)
+    run(model, kv, torch.cat([s[:-1] for s in seqs]), positions, meta)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    separate = []  # the layers' own RoPE + store launches
+    rope_and_store = rotary_module.rope_and_store
+    monkeypatch.setattr(
+        rotary_module,
+        "rope_and_store",
+        lambda *a, **k: separate.append(1) or rope_and_store(*a, **k),
+    )
+    positions, meta = step_metadata(lens, [1] * len(lens))
+    backend = TritonAttentionBackend()
+    with torch.no_grad(), forward_context(ForwardContext(meta, kv, backend)) as ctx:
+        assert ctx.attention.rotates
+        with warm_up_for(breaks):
+            got = model.compute_logits(model(torch.cat([s[-1:] for s in seqs]), positions))
+    assert len(separate) == (hf.config.num_hidden_layers if breaks else 0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
     """Linear.plan asks gemv_pays once per input shape and dtype (every eager step asks it
     once a projection), and still follows the FUSE switch and an FP8 weight."""

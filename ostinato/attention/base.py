@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -20,8 +20,23 @@ class GraphSupport(enum.Enum):
     NEVER = "never"  # must run outside graphs (PIECEWISE breaks around it)
 
 
+class Rotation(NamedTuple):
+    """The RoPE an attention call applies itself (AttentionPlan.rotates): the model's cos|sin
+    table, float32 [max_position, head_dim], and with Qwen3's per-head norms the layer's q and
+    k norm weights and their eps."""
+
+    cos_sin_cache: torch.Tensor
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+
+
 class AttentionPlan(Protocol):
     """One step's attention, called by every layer with its own tensors."""
+
+    # whether a call may take `rotation`: a step of one token per request on a backend whose
+    # kernel rotates and stores that token, saving the step a RoPE + store launch a layer
+    rotates: bool
 
     def __call__(
         self,
@@ -32,9 +47,13 @@ class AttentionPlan(Protocol):
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         scale: float,
+        rotation: Rotation | None = None,
     ) -> None:
         """Attend causally over the paged KV (this step's k/v are already stored in it; a
-        backend may read them from k and v instead where nothing precedes them)."""
+        backend may read them from k and v instead where nothing precedes them). With
+        rotation (only where `rotates`), q and k come unrotated and k and v unstored: the
+        call rotates both (after the norms), stores k and v at the step's slots, then
+        attends."""
 
 
 class AttentionBackend(ABC):

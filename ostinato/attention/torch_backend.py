@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 from ostinato.attention.base import (
     AttentionBackend,
     AttentionPlan,
@@ -20,11 +18,17 @@ class TorchAttentionBackend(AttentionBackend):
     graph_support = GraphSupport.NEVER  # loops over requests with host-side lengths
 
     def plan(self, meta: AttentionMetadata) -> AttentionPlan:
-        return partial(_attend, meta)
+        return TorchAttentionPlan(meta)
 
 
-def _attend(meta: AttentionMetadata, q, k, v, out, k_cache, v_cache, scale: float) -> None:
-    paged_attention_torch(
-        q, k_cache, v_cache, out, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_table,
-        scale,
-    )  # fmt: skip
+class TorchAttentionPlan:
+    rotates = False  # RoPE and the KV store stay the layer's
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def __call__(self, q, k, v, out, k_cache, v_cache, scale: float, rotation=None) -> None:
+        m = self.meta
+        paged_attention_torch(
+            q, k_cache, v_cache, out, m.query_start_loc_cpu, m.seq_lens_cpu, m.block_table, scale
+        )

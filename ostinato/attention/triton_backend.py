@@ -14,15 +14,24 @@ from ostinato.attention.base import (
     AttentionBackend,
     AttentionPlan,
     GraphSupport,
+    Rotation,
     register_attention_backend,
 )
 from ostinato.context import AttentionMetadata
 from ostinato.kernels import PagedAttention, variants
-from ostinato.kernels.paged_attention import LayerShape, attention_sms, launch_classes
+from ostinato.kernels.paged_attention import LayerShape, Rope, attention_sms, launch_classes
 
 # Measured on the H100 (qwen3-0.6b, one prompt, the same process): 2,048 tokens 7.55 ms with
 # SDPA vs 7.41 without (the step is host-bound there), 4,096 13.9 vs 15.5, 8,192 33.5 vs 38.5.
 SDPA_MIN_TOKENS = 4096
+# A graphed decode step of one request keeps the separate RoPE + store kernel: its QKV
+# projection is the one-row kernel (kernels/gemv.py), which lets the next kernel launch early
+# (PDL), and an attention launch waiting beside it cost qwen3-30b-a3b's batch-1 decode 7-8%
+# (3.20 -> 3.43-3.45 ms; 3.21 without its early launch, which cost qwen3-0.6b 3%). From two
+# requests the projection is cuBLAS and the rotating launch takes 3-5% off qwen3-0.6b's batch
+# 32 (2.11-2.15 -> 2.04-2.07 ms; benchmarks/h100-2026-11-27-s31.md). The batch alone decides,
+# so an eager step, a graph's warm-up and its capture always take the same kernels.
+ROTATE_MIN_REQS = 2
 # cuDNN first; flash, then the memory-efficient kernel (float32) where cuDNN declines
 _SDPA_ORDER = [
     SDPBackend.CUDNN_ATTENTION,
@@ -56,28 +65,46 @@ class TritonAttentionBackend(AttentionBackend):
 
 class TritonAttentionPlan:
     """A PagedAttention per layer shape (every layer of a model has the same one), made at the
-    first layer's call and launched by the rest; or, for a step of fresh prompts, SDPA."""
+    first layer's call and launched by the rest; or, for a step of fresh prompts, SDPA.
+    A step of one token per request rotates (ROTATE_MIN_REQS): its launch also applies RoPE
+    (and Qwen3's norms) to q and k and stores k and v (kernels/paged_attention.py, ROPE),
+    with the model's one cos|sin table, taken from the first layer's rotation."""
 
     def __init__(self, meta: AttentionMetadata, eager: EagerLaunches) -> None:
         self.meta = meta
         self.eager = eager
         self.launches: dict[tuple, PagedAttention] = {}
         self.fresh = fresh_prompts(meta)
+        decode = 0 < meta.num_tokens <= meta.num_reqs and self.fresh is None
+        self.rotates = decode and meta.num_reqs >= ROTATE_MIN_REQS
 
-    def __call__(self, q, k, v, out, k_cache, v_cache, scale: float) -> None:
+    def __call__(
+        self, q, k, v, out, k_cache, v_cache, scale: float, rotation: Rotation | None = None
+    ) -> None:
         if self.fresh is not None and _eager(q):
             return causal_prefill(q, k, v, out, *self.fresh, scale)
-        key = (q.shape, q.stride(), out.stride(), k.stride(), k_cache.stride(), q.dtype, scale)
+        norms = rotation is not None and (rotation.q_weight is not None, rotation.eps)
+        key = (q.shape, q.stride(), out.stride(), k.stride(), k_cache.stride(), q.dtype, scale,
+               norms)  # fmt: skip
         launch = self.launches.get(key)
         if launch is None:
-            m = self.meta
-            tensors = (m.query_start_loc, m.seq_lens, m.block_table)
-            if _eager(q):
-                launch = self.eager.get(key, q, k, out, k_cache, tensors, scale)
-            else:
-                launch = PagedAttention(q, out, k_cache, *tensors, scale, new_kv=k)
-            self.launches[key] = launch
-        launch(q, k_cache, v_cache, out, k, v)
+            launch = self.launches[key] = self._launch(key, q, k, out, k_cache, scale, rotation)
+        if rotation is None:
+            launch(q, k_cache, v_cache, out, k, v)
+        else:
+            launch(q, k_cache, v_cache, out, k, v, rotation.q_weight, rotation.k_weight)
+
+    def _launch(self, key, q, k, out, k_cache, scale, rotation) -> PagedAttention:
+        m = self.meta
+        tensors = (m.query_start_loc, m.seq_lens, m.block_table)
+        rope = None
+        if rotation is not None:
+            assert self.rotates, "rotation is for steps of one token per request"
+            norm = rotation.q_weight is not None
+            rope = Rope(rotation.cos_sin_cache, m.slot_mapping, norm, rotation.eps)
+        if _eager(q):
+            return self.eager.get(key, q, k, out, k_cache, tensors, scale, rope)
+        return PagedAttention(q, out, k_cache, *tensors, scale, new_kv=k, rope=rope)
 
 
 def _eager(q: torch.Tensor) -> bool:
@@ -104,13 +131,18 @@ class EagerLaunches:
     def __init__(self) -> None:
         self.launches: dict[tuple, PagedAttention] = {}
 
-    def get(self, key: tuple, q, k, out, k_cache, tensors: tuple, scale: float) -> PagedAttention:
+    def get(
+        self, key: tuple, q, k, out, k_cache, tensors: tuple, scale: float, rope: Rope | None
+    ) -> PagedAttention:
         """The instance for a step whose first layer passes these (`key`: the plan's)."""
-        where = ((t.data_ptr(), t.shape, t.stride()) for t in tensors)
+        held = (*tensors, *rope[:2]) if rope else tensors
+        where = ((t.data_ptr(), t.shape, t.stride()) for t in held)
         full = (*key, q.device, k_cache.shape, *where)
         launch = self.launches.pop(full, None)
         if launch is None:
-            launch = PagedAttention(q, out, k_cache, *tensors, scale, merge=True, new_kv=k)
+            launch = PagedAttention(
+                q, out, k_cache, *tensors, scale, merge=True, new_kv=k, rope=rope
+            )
             if len(self.launches) >= self.SIZE:  # the least recently used goes
                 del self.launches[next(iter(self.launches))]
         self.launches[full] = launch  # (re)inserted last: the most recently used

@@ -17,12 +17,33 @@ final output stays owned, so it is stable until this graph's next replay.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
 
 _capturing: BreakableGraph | None = None  # the breakable capture under way, if any
+_warming_up = False  # the eager warm-up of a breakable capture under way
+
+
+def breaking() -> bool:
+    """Whether run_outside_graph's calls are breaks now, or are to be in the capture whose
+    warm-up this is: work moved into such a call (RoPE into attention) would leave the
+    captured segment for the eager call, so a layer keeps it before the call, and the
+    warm-up launches what its capture will."""
+    return _capturing is not None or _warming_up
+
+
+@contextlib.contextmanager
+def warm_up_for(breaks: bool) -> Iterator[None]:
+    """The eager warm-up of a capture with breaks (or without): breaking() answers as the
+    capture's forward will."""
+    global _warming_up
+    previous, _warming_up = _warming_up, breaks
+    try:
+        yield
+    finally:
+        _warming_up = previous
 
 
 def run_outside_graph(

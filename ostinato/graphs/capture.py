@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ostinato.config import EngineConfig
-from ostinato.graphs.breakable import BreakableGraph
+from ostinato.graphs.breakable import BreakableGraph, warm_up_for
 from ostinato.graphs.compat import resolve
 from ostinato.graphs.dispatcher import Dispatcher
 from ostinato.graphs.modes import RUNTIME_MODES, BatchDescriptor, CudaGraphMode
@@ -274,7 +274,7 @@ class GraphRunner:
         graph, outcome = self._attempt(mode, desc)
         if outcome == COLD:  # every rank warms up and captures again, with the same collectives
             graph, outcome = None, OUT_OF_MEMORY
-            if self._warm_up(desc, warm_up):
+            if self._warm_up(mode, desc, warm_up):
                 graph, outcome = self._attempt(mode, desc)
             if outcome == COLD:
                 raise RuntimeError(
@@ -306,11 +306,13 @@ class GraphRunner:
             self._discarded()
         return graph, agreed
 
-    def _warm_up(self, desc: BatchDescriptor, warm_up: Callable[[], object]) -> bool:
-        """Run the eager warm-up; False when it ran out of memory in a single-rank stage (desc
-        is dropped)."""
+    def _warm_up(
+        self, mode: CudaGraphMode, desc: BatchDescriptor, warm_up: Callable[[], object]
+    ) -> bool:
+        """Run the eager warm-up, taking the paths the capture will (breakable.warm_up_for);
+        False when it ran out of memory in a single-rank stage (desc is dropped)."""
         try:
-            with variants.recording():
+            with variants.recording(), warm_up_for(mode is CudaGraphMode.PIECEWISE):
                 warm_up()
         except torch.cuda.OutOfMemoryError as e:
             if self.config.tensor_parallel_size == 1:

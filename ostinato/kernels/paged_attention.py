@@ -100,17 +100,34 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@jit
+def _rotated(rows, mask, cols, partner, w, w_partner, cos, sin, eps, HEAD_DIM: tl.constexpr,
+             NORM: tl.constexpr):  # fmt: skip
+    """Head vectors at rows [R, 1] (pointers), rotated by neox RoPE after the per-head RMSNorm
+    (weights w at cols, w_partner at the partner elements) with NORM, in their dtype: as
+    kernels/rope_store.py rounds, the normalised values before rotating."""
+    x = tl.load(rows + cols, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
+    dtype = rows.dtype.element_ty
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        x = (x * rstd * w).to(dtype).to(tl.float32)
+        x_partner = (x_partner * rstd * w_partner).to(dtype).to(tl.float32)
+    return (x * cos + x_partner * sin).to(dtype)
+
+
 @jit(do_not_specialize=["num_reqs"])  # no compiled variant per batch size
 def _attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_ptr, v_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr,
     part_ptr, m_ptr, l_ptr, live_ptr, count_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale, num_reqs,
+    query_start_loc_ptr, seq_lens_ptr, block_table_ptr, cos_sin_ptr, slot_ptr,
+    qk_scale, eps, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_kt, stride_kh, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
-    MERGE: tl.constexpr, REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-    DIRECT_STAGES: tl.constexpr, PDL: tl.constexpr,
+    stride_kt, stride_kh, stride_cos, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    SPLIT: tl.constexpr, MERGE: tl.constexpr, REQ_CHUNK: tl.constexpr, PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, DIRECT_STAGES: tl.constexpr, ROPE: tl.constexpr, NORM_QK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (tile, kv_head, split). A tile is BLOCK_Q query tokens of one request times the GROUP
     query heads that share kv_head, packed into BLOCK_M rows, so each K/V tile loaded serves
@@ -131,6 +148,12 @@ def _attention_kernel(
     deep. A request with context reads the cache alone: its new tokens' tiles from k and v
     after the cache's tiles were up to 11% slower than all from the cache, and a branch
     around the loops stopped their pipelining (benchmarks/h100-2026-11-27-s28.md).
+    ROPE (one token per request, BLOCK_Q 1): q and this step's k_ptr / v_ptr row come as the
+    QKV projection left them; the kernel rotates q and k (after Qwen3's per-head norms, weights
+    q_norm_ptr / k_norm_ptr, with NORM_QK) as kernels/rope_store.py does, and the one part
+    whose KV range holds the token's position stores its k and v at the token's slot, then
+    reads them back with the rest of its range: no other program reads that slot, so the store
+    races nothing, and the step needs no RoPE + store kernel of its own.
     PDL: lengths, block table and query starts are the step's inputs, written by
     kernels/unpack.py before the step's first kernel, which waits for it: torch's embedding, or
     a later pipeline stage's receive, launched without PDL. So finding the tile's request and
@@ -180,10 +203,44 @@ def _attention_kernel(
     pos = ctx_len + q_idx
     token = (q_start + q_idx).to(tl.int64)
     d = tl.arange(0, HEAD_DIM)
+    if ROPE:  # what no kernel of this step writes, read before the wait
+        # neox RoPE over whole rows: element d pairs with d + half (mod head_dim), so one
+        # layout serves both halves: x * cos + partner * (-sin on the first half, sin after).
+        # Every vector is loaded as a tile of q's shape (rows alike): no layout conversions.
+        cols = d[None, :] + tl.zeros([BLOCK_M, 1], tl.int32)
+        partner = (cols + HEAD_DIM // 2) % HEAD_DIM
+        new_pos = seq_len - 1  # the request's one token
+        cos_row = cos_sin_ptr + tl.maximum(new_pos, 0).to(tl.int64) * stride_cos
+        cos = tl.load(cos_row + cols % (HEAD_DIM // 2))
+        sin = tl.load(cos_row + HEAD_DIM // 2 + cols % (HEAD_DIM // 2))
+        sin = tl.where(cols < HEAD_DIM // 2, -sin, sin)
+        slot = tl.load(slot_ptr + q_start).to(tl.int64)
+        qw, qw_partner, kw, kw_partner = 0.0, 0.0, 0.0, 0.0
+        if NORM_QK:
+            qw = tl.load(q_norm_ptr + cols).to(tl.float32)
+            qw_partner = tl.load(q_norm_ptr + partner).to(tl.float32)
+            kw = tl.load(k_norm_ptr + cols).to(tl.float32)
+            kw_partner = tl.load(k_norm_ptr + partner).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()  # q and the KV cache: the kernels before this one write them
-    q_ptrs = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_rows = q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+    if ROPE:
+        q = _rotated(q_rows, row_ok[:, None], cols, partner, qw, qw_partner, cos, sin, eps,
+                     HEAD_DIM, NORM_QK)  # fmt: skip
+        # the token's k row in every row of a tile like q's: one layout for both rotations
+        new_row = q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        k_rows = k_ptr + new_row + tl.zeros([BLOCK_M, 1], tl.int64)
+        k_new = _rotated(k_rows, rows[:, None] >= 0, cols, partner, kw, kw_partner, cos, sin,
+                         eps, HEAD_DIM, NORM_QK)  # fmt: skip
+        if (kv_lo <= new_pos) & (new_pos < kv_hi) & (slot >= 0):  # the part that reads it
+            first = rows[:, None] == 0
+            dst = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv_head * stride_ch
+            tl.store(k_cache_ptr + dst + cols, k_new, mask=first)
+            v_new = tl.load(v_ptr + new_row + cols, mask=first)
+            tl.store(v_cache_ptr + dst + cols, v_new, mask=first)
+            tl.debug_barrier()  # stored before any thread of the program loads that tile
+    else:
+        q = tl.load(q_rows + d[None, :], mask=row_ok[:, None], other=0.0)
     unmasked_hi = (
         kv_lo + tl.maximum(tl.minimum(kv_hi, first_pos + 1) - kv_lo, 0) // BLOCK_N * BLOCK_N
     )
@@ -340,6 +397,18 @@ _SHORT_QUERY = 8  # mean query length up to which a batch is decode-like
 _LOG2E = 1.4426950408889634
 
 
+class Rope(NamedTuple):
+    """What a decode launch needs to rotate q and k and store k and v itself (ROPE): the
+    model's cos|sin table (float32 [max_position, head_dim]), the step's slot_mapping, and
+    whether q and k take Qwen3's per-head norms first (their eps; the weights come per layer,
+    as each layer's q)."""
+
+    cos_sin_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    norm: bool
+    eps: float
+
+
 class Config(NamedTuple):
     block_q: int  # query tokens per tile; block_q * group rows, padded to block_m
     block_m: int
@@ -473,12 +542,16 @@ class PagedAttention:
         config: Config | None = None,
         merge: bool = False,
         new_kv: torch.Tensor | None = None,
+        rope: Rope | None = None,
     ) -> None:
         """merge: the attention kernel merges a split KV's parts itself (MERGE), no combine
         launch: for eager steps, which pay a launch's host time; a graph's replay does not.
         new_kv: a tensor of this step's k or v [num_tokens, kv_heads, head_dim] (both have its
         strides), already in the cache: a long-query launch then reads fresh prompts' KV from
-        k and v rather than through the block table (DIRECT); each call passes them."""
+        k and v rather than through the block table (DIRECT); each call passes them.
+        rope: a batch of one token per request whose q and new_kv are not yet rotated nor
+        stored: the kernel does both (ROPE); each call passes k, v and the layer's norm
+        weights."""
         num_tokens, num_heads, head_dim = q.shape
         num_reqs = seq_lens.shape[0]
         self.attend = self.combine = None
@@ -489,7 +562,12 @@ class PagedAttention:
         # fresh prompts come in long-query launches, which never split the KV
         long = num_tokens > _SHORT_QUERY * num_reqs
         self.direct = new_kv is not None and long and cfg.splits == 1
-        kv_strides = (new_kv.stride(0), new_kv.stride(1)) if self.direct else (0, 0)
+        self.rope = rope is not None
+        assert not self.rope or (cfg.block_q == 1 and new_kv is not None)
+        reads_kv = self.direct or self.rope
+        kv_strides = (new_kv.stride(0), new_kv.stride(1)) if reads_kv else (0, 0)
+        # a launch without ROPE takes any pointer for the table and slots it never reads
+        cos_sin, slots = (rope.cos_sin_cache, rope.slot_mapping) if rope else (seq_lens, seq_lens)
         kv_heads, page = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // kv_heads
         assert k_cache.stride(3) == 1 and q.stride(2) == out.stride(2) == block_table.stride(1) == 1
@@ -511,7 +589,7 @@ class PagedAttention:
         self.attend = Launch(
             _attention_kernel,
             (tiles, kv_heads, cfg.splits),
-            num_head=6,  # q, k_cache, v_cache, out, k, v: each layer's own
+            num_head=8,  # q, k_cache, v_cache, out, k, v, q and k norm weights: each layer's own
             tail=(
                 part,
                 stats[0],
@@ -521,7 +599,10 @@ class PagedAttention:
                 query_start_loc,
                 seq_lens,
                 block_table,
+                cos_sin,
+                slots,
                 scale * _LOG2E,
+                rope.eps if rope else 0.0,
                 num_reqs,
                 q.stride(0),
                 q.stride(1),
@@ -532,6 +613,7 @@ class PagedAttention:
                 k_cache.stride(2),
                 block_table.stride(0),
                 *kv_strides,
+                cos_sin.stride(0),
             ),  # fmt: skip
             constexprs=dict(
                 GROUP=group,
@@ -546,6 +628,8 @@ class PagedAttention:
                 PRECISION=_precision(q.dtype),
                 DIRECT=self.direct,
                 DIRECT_STAGES=DIRECT_STAGES,
+                ROPE=self.rope,
+                NORM_QK=bool(rope and rope.norm),
                 PDL=pdl["PDL"],
             ),  # fmt: skip
             num_warps=cfg.num_warps,
@@ -579,14 +663,19 @@ class PagedAttention:
         out: torch.Tensor,
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
     ) -> None:
-        """k, v: this step's, with new_kv's strides; read only by a DIRECT launch."""
+        """k, v: this step's, with new_kv's strides; read only by a DIRECT or ROPE launch.
+        q_norm, k_norm: the layer's per-head norm weights, read only by a ROPE launch with
+        norms."""
         if self.attend is None:
             return
-        if self.direct:
-            self.attend(q, k_cache, v_cache, out, k, v)
+        if self.direct or self.rope:
+            self.attend(q, k_cache, v_cache, out, k, v, q_norm if q_norm is not None else q,
+                        k_norm if k_norm is not None else q)  # fmt: skip
         else:
-            self.attend(q, k_cache, v_cache, out, k_cache, v_cache)
+            self.attend(q, k_cache, v_cache, out, k_cache, v_cache, q, q)
         if self.combine is not None:
             self.combine(out)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ostinato.attention.base import Rotation
 from ostinato.context import get_forward_context
-from ostinato.graphs.breakable import run_outside_graph
+from ostinato.graphs.breakable import breaking, run_outside_graph
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.rotary import RotaryEmbedding
 
@@ -31,17 +32,29 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KH, D] -> [T, H, D]. RoPE (after the per-head norms, if given)
         and the KV store run in one kernel inside the captured part; only the attention over
-        the cache may run outside it."""
+        the cache may run outside it. A step whose plan rotates (decode) hands them to the
+        attention launch instead, unless that call is a break between captured segments."""
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        out = torch.empty_like(q)  # allocated before the break so its address is stable
+        if ctx.attention.rotates and not breaking():  # a decode step: one launch does it all
+            norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0)
+            self._attend(q, k, v, out, Rotation(rotary.cos_sin_cache, *norms))
+            return out
         slots = ctx.attn_metadata.slot_mapping
         rotary.apply_and_store(
             positions, q, k, v, k_cache, v_cache, slots, q_norm, k_norm, ctx.rope
         )
-        out = torch.empty_like(q)  # allocated before the break so its address is stable
         return run_outside_graph(self._attend, q, k, v, out=out)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        rotation: Rotation | None = None,
+    ) -> None:
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        ctx.attention(q, k, v, out, k_cache, v_cache, self.scale)
+        ctx.attention(q, k, v, out, k_cache, v_cache, self.scale, rotation)

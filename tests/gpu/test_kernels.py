@@ -15,7 +15,7 @@ from ostinato.kernels import (
 )
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays, rows_pay
 from ostinato.kernels.nucleus import _top_p_mask_triton, top_p_mask_torch
-from ostinato.kernels.paged_attention import choose_config
+from ostinato.kernels.paged_attention import Rope, choose_config
 from ostinato.kernels.rope_store import rope_and_store_torch
 
 pytestmark = pytest.mark.gpu
@@ -538,6 +538,96 @@ def test_cuda_graph_replays_match_eager(num_tokens, num_reqs, batches):
             block_table=static.block_table,
         )  # fmt: skip
         assert_rel(static.out[:real], reference(batch)[:real])
+
+
+class RotatingDecode:
+    """Persistent buffers of a decode batch of num_reqs requests and a padding one, and the
+    ROPE launch over them (rotating q and k, storing k and v): what a FULL decode graph holds."""
+
+    WIDTH = 256  # blocks per request: up to 4,096 positions
+
+    def __init__(self, num_reqs, heads, kv_heads, head_dim, norm):
+        self.num_reqs, self.heads, self.kv_heads, self.head_dim = (
+            num_reqs,
+            heads,
+            kv_heads,
+            head_dim,
+        )
+        new = lambda *shape, dtype=BF16: torch.zeros(*shape, dtype=dtype, device="cuda")  # noqa: E731
+        self.qkv = new(num_reqs + 1, heads + 2 * kv_heads, head_dim)
+        self.q, self.k, self.v = self.qkv.split([heads, kv_heads, kv_heads], 1)
+        self.out = torch.full_like(self.q, NAN)
+        blocks = (num_reqs + 1) * self.WIDTH + 1
+        self.k_cache, self.v_cache = (
+            new(blocks, BLOCK, kv_heads, head_dim),
+            new(blocks, BLOCK, kv_heads, head_dim),
+        )
+        self.slots = new(num_reqs + 1, dtype=torch.int64)
+        self.query_start_loc = cumulative([1] * num_reqs + [0])
+        self.seq_lens = new(num_reqs + 1, dtype=torch.int32)
+        self.block_table = new(num_reqs + 1, self.WIDTH, dtype=torch.int32)
+        self.weights = [torch.rand(head_dim, device="cuda", dtype=BF16) + 0.5 for _ in "qk"]
+        self.weights = self.weights if norm else [None, None]
+        self.table = rope_cache(head_dim, self.WIDTH * BLOCK, 1e6)
+        self.attention = PagedAttention(
+            self.q, self.out, self.k_cache, self.query_start_loc, self.seq_lens,
+            self.block_table, head_dim**-0.5, new_kv=self.k,
+            rope=Rope(self.table, self.slots, norm, 1e-6),
+        )  # fmt: skip
+
+    def __call__(self):
+        self.attention(self.q, self.k_cache, self.v_cache, self.out, self.k, self.v, *self.weights)
+
+    def load(self):
+        """New lengths and blocks; the cache NaN but at each request's earlier positions;
+        fresh unrotated q, k and v. -> the unfused result: (out, k_cache, v_cache)."""
+        n, table = self.num_reqs, self.block_table
+        seq_lens = torch.randint(1, self.WIDTH * BLOCK, (n,)).tolist()
+        self.seq_lens.copy_(torch.tensor([*seq_lens, 0], dtype=torch.int32))
+        table.copy_(torch.randperm(table.numel(), device="cuda").view(table.shape))
+        for cache in (self.k_cache, self.v_cache):
+            cache.fill_(NAN)
+        for i, s in enumerate(seq_lens):
+            fill_request(self.k_cache, self.v_cache, table[i], s)
+        pos = self.seq_lens[:n].long() - 1
+        self.slots[:n] = table[torch.arange(n), pos // BLOCK].long() * BLOCK + pos % BLOCK
+        self.slots[n] = -1
+        for cache in (self.k_cache, self.v_cache):
+            cache.view(-1, self.kv_heads, self.head_dim)[self.slots[:n]] = NAN
+        self.qkv.normal_()
+        self.out.fill_(NAN)
+        twin = dict(q=self.q.clone(), k_cache=self.k_cache.clone(), v_cache=self.v_cache.clone(),
+                    query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                    block_table=table)  # fmt: skip
+        positions = torch.cat((pos, pos.new_zeros(1)))
+        rope_and_store_torch(twin["q"], self.k.clone(), self.v.clone(), positions, self.table,
+                             twin["k_cache"], twin["v_cache"], self.slots, *self.weights,
+                             1e-6)  # fmt: skip
+        return attend(twin), twin["k_cache"], twin["v_cache"]
+
+
+@pytest.mark.parametrize("num_reqs", [1, 8, 64])
+@pytest.mark.parametrize("shape, norm", [(s, s == "qwen3-0.6b") for s in SHAPES])
+def test_a_decode_launch_rotates_and_stores_in_a_graph(shape, norm, num_reqs):
+    """ROPE: captured in a CUDA graph and replayed with new lengths and blocks, the decode
+    launch that rotates q and k (after the norms) and stores k and v equals RoPE + store, then
+    attention, within bf16 rounding, and stores what they store; the padding request touches
+    nothing."""
+    step = RotatingDecode(num_reqs, *SHAPES[shape], norm)
+    step.load()
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        expected, k_cache, v_cache = step.load()
+        graph.replay()
+        assert not step.out[:num_reqs].isnan().any() and step.out[num_reqs:].isnan().all()
+        assert_rel(step.out[:num_reqs], expected[:num_reqs])
+        for ours, theirs in ((step.k_cache, k_cache), (step.v_cache, v_cache)):
+            assert torch.equal(ours.isnan(), theirs.isnan())
+            written = step.slots[:num_reqs]
+            assert_rel(ours.flatten(0, 1)[written], theirs.flatten(0, 1)[written], tol=1e-3)
 
 
 @pytest.mark.parametrize("shape", ["llama-3.1-8b", "qwen3-0.6b"])
