@@ -106,13 +106,10 @@ def test_pipeline_stages_match_whole_model(arch, tmp_path):
     assert torch.equal(kept.residual, sent.residual)
 
 
-@pytest.mark.parametrize("lens", [PROMPT_LENS[1:2], PROMPT_LENS], ids=["fma-1", "dot-3"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # + biases, + q/k norms
-def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, monkeypatch):
-    """A decode token per request where the small-batch kernels run (forced on the CPU,
-    interpreted): the norms in the projections' prologues and the residual adds in their
-    epilogues give HF's logits; the prefill before it takes the unfused path, so both kinds
-    share one stream."""
+def prefilled(arch, tmp_path, lens):
+    """A random checkpoint of arch, HF's logits after each request's lens[i] + 1 tokens, and
+    ostinato's model with the first lens[i] prefilled into a KV cache (the torch backend):
+    (hf, model, kv, seqs, want), the decode step of each seq's last token left to the test."""
     checkpoint = make_hf_checkpoint(arch, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     model = load(checkpoint)
@@ -122,6 +119,17 @@ def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, m
     kv = kv_caches(hf.config)
     positions, meta = step_metadata([0] * len(lens), lens)
     run(model, kv, torch.cat([s[:-1] for s in seqs]), positions, meta)
+    return hf, model, kv, seqs, want
+
+
+@pytest.mark.parametrize("lens", [PROMPT_LENS[1:2], PROMPT_LENS], ids=["fma-1", "dot-3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # + biases, + q/k norms
+def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, monkeypatch):
+    """A decode token per request where the small-batch kernels run (forced on the CPU,
+    interpreted): the norms in the projections' prologues and the residual adds in their
+    epilogues give HF's logits; the prefill before it takes the unfused path, so both kinds
+    share one stream."""
+    hf, model, kv, seqs, want = prefilled(arch, tmp_path, lens)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fused = []  # the projections of the layers (the LM head would only slow the interpreter)
     pays = lambda x, w: w.shape[0] != hf.config.vocab_size and not fused.append(w.shape)  # noqa: E731
@@ -144,16 +152,8 @@ def test_a_decode_step_rotates_in_its_attention_launch(arch, breaks, tmp_path, m
     from ostinato.graphs.breakable import warm_up_for
     from ostinato.layers import rotary as rotary_module
 
-    checkpoint = make_hf_checkpoint(arch, tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    model = load(checkpoint)
-    lens = [5, 17, 33]
-    seqs = [torch.randint(0, hf.config.vocab_size, (n + 1,)) for n in lens]
-    with torch.no_grad():
-        want = torch.cat([hf(s[None]).logits[0, -1:] for s in seqs])
-    kv = kv_caches(hf.config)
-    positions, meta = step_metadata([0] * len(lens), lens)
-    run(model, kv, torch.cat([s[:-1] for s in seqs]), positions, meta)
+    lens = PROMPT_LENS
+    hf, model, kv, seqs, want = prefilled(arch, tmp_path, lens)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     separate = []  # the layers' own RoPE + store launches
     rope_and_store = rotary_module.rope_and_store
