@@ -38,8 +38,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         out = torch.empty_like(q)  # allocated before the break so its address is stable
         if ctx.attention.rotates and not breaking():  # a decode step: one launch does it all
-            norms = (q_norm.weight, k_norm.weight, q_norm.eps) if q_norm else (None, None, 0.0)
-            self._attend(q, k, v, out, Rotation(rotary.cos_sin_cache, *norms))
+            self._attend(q, k, v, out, _rotation(rotary, q_norm, k_norm))
             return out
         slots = ctx.attn_metadata.slot_mapping
         rotary.apply_and_store(
@@ -58,3 +57,10 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ctx.attention(q, k, v, out, k_cache, v_cache, self.scale, rotation)
+
+
+def _rotation(rotary: RotaryEmbedding, q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> Rotation:
+    """The RoPE an attention launch applies itself, after Qwen3's per-head norms if given."""
+    if q_norm is None:
+        return Rotation(rotary.cos_sin_cache, None, None, 0.0)
+    return Rotation(rotary.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
