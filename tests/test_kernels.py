@@ -525,10 +525,11 @@ def test_short_queries_and_split_launches_read_only_the_cache():
 ROPE_SEQ = [17, 1, 40, 100, 0, 0]
 
 
-def rope_decode(group, dtype, norm, config=None, merge=False):
+def rope_decode(group, dtype, norm, attend):
     """A decode batch whose q and new k and v rows come unrotated from the projection (views of
-    one qkv buffer) and whose cache is NaN at the new tokens' slots: the ROPE launch's output
-    and cache against rope_and_store_torch followed by the torch reference attention."""
+    one qkv buffer) and whose cache is NaN at the new tokens' slots: what
+    attend(batch, q, k, v, out, rope, norm_weights) launches (and returns), checked against
+    rope_and_store_torch followed by the torch reference attention, output and cache."""
     heads, kv_heads, head_dim, eps = 2 * group, 2, 64, 1e-6
     batch = make_batch([int(s > 0) for s in ROPE_SEQ], ROPE_SEQ, heads, kv_heads, head_dim,
                        dtype, pad_tokens=1)  # fmt: skip
@@ -551,10 +552,7 @@ def rope_decode(group, dtype, norm, config=None, merge=False):
     paged_attention_torch(q_ref, *caches, expected, b.query_start_loc, b.seq_lens, b.block_table,
                           scale)  # fmt: skip
     out = nan_fenced(torch.full(b.q.shape, NAN, dtype=dtype))
-    rope = Rope(table, slot_mapping, norm, eps)
-    attention = PagedAttention(q, out, b.k_cache, b.query_start_loc, b.seq_lens, b.block_table,
-                               scale, config, merge, new_kv=k, rope=rope)  # fmt: skip
-    attention(q, b.k_cache, b.v_cache, out, k, v, *weights)
+    attention = attend(b, q, k, v, out, Rope(table, slot_mapping, norm, eps), weights)
     assert not out[:real].isnan().any()
     assert out[real:].isnan().all() and fence_intact(out), "a padding token's row was written"
     close(out[:real], expected[:real], dtype, scale=10)
@@ -566,24 +564,36 @@ def rope_decode(group, dtype, norm, config=None, merge=False):
     return attention
 
 
+def paged_rope(config=None, merge=False):
+    """rope_decode's attend: a PagedAttention with ROPE, as the plan builds it."""
+
+    def attend(b, q, k, v, out, rope, weights):
+        attention = PagedAttention(q, out, b.k_cache, b.query_start_loc, b.seq_lens,
+                                   b.block_table, q.shape[-1] ** -0.5, config, merge, new_kv=k,
+                                   rope=rope)  # fmt: skip
+        attention(q, b.k_cache, b.v_cache, out, k, v, *weights)
+        return attention
+
+    return attend
+
+
 @pytest.mark.parametrize("kind", ["auto", "decode", "decode-split16"])
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("norm", [False, True])
 def test_a_decode_launch_rotates_stores_and_attends(kind, group, norm):
-    """ROPE: the decode launch rotates q and k (after Qwen3's norms), stores k and v at the new
-    slots, and attends to the new token from registers, as RoPE + store then attention do;
-    the part holding the new position may be any of up to 16 (a request at position 0 has
-    no cache tile at all)."""
-    assert rope_decode(group, torch.float32, norm, config_for(kind, group)).rope
+    """ROPE: the decode launch rotates q and k (after Qwen3's norms), and the part holding
+    the new position (any of up to 16) stores k and v at the new slots and reads them back,
+    as RoPE + store then attention do (a request at position 0 reads that token alone)."""
+    assert rope_decode(group, torch.float32, norm, paged_rope(config_for(kind, group))).rope
 
 
 @pytest.mark.parametrize("norm", [False, True])
 def test_a_merging_decode_launch_rotates_too(norm):
-    rope_decode(2, torch.float32, norm, config_for("decode-split16", 2), merge=True)
+    rope_decode(2, torch.float32, norm, paged_rope(config_for("decode-split16", 2), True))
 
 
 def test_a_half_precision_decode_launch_rotates_as_the_unfused_kernels_round():
-    rope_decode(2, torch.float16, True)
+    rope_decode(2, torch.float16, True, paged_rope())
 
 
 def test_paged_attention_half_precision_decode():
@@ -924,12 +934,42 @@ def test_graph_warm_ups_and_captures_keep_the_paged_kernel(monkeypatch):
     assert len(sdpa_calls) == 1
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_rotating_plan_hands_its_launch_the_rotation(monkeypatch, graph, norm):
+    """Through the Triton backend's plan, a decode step given a Rotation gets a ROPE launch:
+    eager (kept in the cache of eager launches) and as a graph's capture builds it (not kept);
+    the output and the cache are RoPE + store's, then attention's."""
+    from ostinato.attention import triton_backend
+    from ostinato.attention.base import Rotation
+    from ostinato.context import AttentionMetadata
+
+    if graph:
+        monkeypatch.setattr(triton_backend, "_capturing", lambda t: True)
+    backend = triton_backend.TritonAttentionBackend()
+
+    def attend(b, q, k, v, out, rope, weights):
+        meta = AttentionMetadata(q.shape[0], len(b.seq_lens), b.query_start_loc, b.seq_lens,
+                                 b.block_table, rope.slot_mapping, b.query_start_loc,
+                                 b.seq_lens)  # fmt: skip
+        plan = backend.plan(meta)
+        assert plan.rotates
+        rotation = Rotation(rope.cos_sin_cache, *weights, rope.eps)
+        plan(q, k, v, out, b.k_cache, b.v_cache, q.shape[-1] ** -0.5, rotation)
+        (launch,) = plan.launches.values()
+        return launch
+
+    launch = rope_decode(2, torch.float32, norm, attend)
+    assert launch.rope and (launch in backend.eager.launches.values()) is not graph
+
+
 @pytest.mark.parametrize(
     "q_lens, rotates",
     [
         ([1], False),  # one request keeps the RoPE kernel (ROTATE_MIN_REQS)
         ([1, 1], True),
         ([1, 1, 0], True),  # and a padding request
+        ([1, 0], True),  # one token, a padding request: a graph of two
         ([1, 2], False),  # a longer query: a verify step, a chunk
         ([0], False),  # nothing to attend
     ],
