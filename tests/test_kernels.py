@@ -874,6 +874,7 @@ def _metadata(q_lens, seq_lens, pad_tokens=0):
     "q_lens, seq_lens, expected",
     [
         ([8, 8, 8], [8, 8, 8], (3, 8)),  # whole fresh prompts of one length
+        ([16], [16], (1, 16)),  # one long prompt, a long prompt's first chunk
         ([8, 8, 0], [8, 8, 0], (2, 8)),  # then a padded request
         ([8, 8], [8, 9], None),  # one token cached before the second prompt's chunk
         ([8, 7], [8, 7], None),  # two lengths
@@ -972,6 +973,7 @@ def test_a_rotating_plan_hands_its_launch_the_rotation(monkeypatch, graph, norm)
         ([1, 0], True),  # one token, a padding request: a graph of two
         ([1, 2], False),  # a longer query: a verify step, a chunk
         ([0], False),  # nothing to attend
+        ([0, 0], False),
     ],
 )
 def test_decode_steps_rotate_in_the_attention_launch(q_lens, rotates):
