@@ -37,6 +37,7 @@ import time
 import torch
 
 from ostinato.config import EngineConfig
+from ostinato.graphs.modes import BatchDescriptor
 from ostinato.kernels import dispatch, gemv, launch, paged_attention
 from ostinato.loader import load_hf_config
 from ostinato.runner.model_runner import ModelRunner
@@ -88,8 +89,9 @@ def make_runner(batch: int) -> ModelRunner:
 
 
 def step(runner: ModelRunner, batch: int) -> torch.Tensor:
-    """The eager step's forward and LM head (ModelRunner.launch in mode none)."""
-    out = runner._forward(batch, batch)
+    """The eager step's forward and LM head (ModelRunner.launch in mode none, under the
+    descriptor its dispatch gives a decode batch)."""
+    out = runner._forward(batch, batch, BatchDescriptor(batch, batch, 1, 0))
     return runner._logits(out, 0, batch)
 
 

@@ -28,6 +28,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # every real request's query length where the step's key fixes it: a FULL decode graph's
+    # key, an eager step's own batch. None otherwise: a padded FULL graph of a token count
+    # replays mixed batches, however its capture's dummy batch was cut
+    uniform_query_len: int | None = None
 
 
 @dataclass

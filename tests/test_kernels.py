@@ -859,7 +859,7 @@ def test_cached_launches_follow_each_calls_token_count():
         assert (~v_rows.isnan()).flatten(1).all(1).sum() == (case.slots >= 0).sum()
 
 
-def _metadata(q_lens, seq_lens, pad_tokens=0):
+def _metadata(q_lens, seq_lens, pad_tokens=0, uniform_query_len=None):
     from ostinato.context import AttentionMetadata
 
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -867,7 +867,9 @@ def _metadata(q_lens, seq_lens, pad_tokens=0):
     tokens = sum(q_lens) + pad_tokens
     table = torch.zeros(len(q_lens), 4, dtype=torch.int32)
     slots = torch.full((tokens,), -1, dtype=torch.int64)
-    return AttentionMetadata(tokens, len(q_lens), starts, lens, table, slots, starts, lens)
+    return AttentionMetadata(
+        tokens, len(q_lens), starts, lens, table, slots, starts, lens, uniform_query_len
+    )
 
 
 @pytest.mark.parametrize(
@@ -952,7 +954,7 @@ def test_a_rotating_plan_hands_its_launch_the_rotation(monkeypatch, graph, norm)
     def attend(b, q, k, v, out, rope, weights):
         meta = AttentionMetadata(q.shape[0], len(b.seq_lens), b.query_start_loc, b.seq_lens,
                                  b.block_table, rope.slot_mapping, b.query_start_loc,
-                                 b.seq_lens)  # fmt: skip
+                                 b.seq_lens, uniform_query_len=1)  # fmt: skip
         plan = backend.plan(meta)
         assert plan.rotates
         rotation = Rotation(rope.cos_sin_cache, *weights, rope.eps)
@@ -965,30 +967,34 @@ def test_a_rotating_plan_hands_its_launch_the_rotation(monkeypatch, graph, norm)
 
 
 @pytest.mark.parametrize(
-    "q_lens, rotates",
+    "q_lens, uniform, eager, graphed",
     [
-        ([1], False),  # one request keeps the RoPE kernel (ROTATE_MIN_REQS)
-        ([1, 1], True),
-        ([1, 1, 0], True),  # and a padding request
-        ([1, 0], True),  # one token, a padding request: a graph of two
-        ([1, 2], False),  # a longer query: a verify step, a chunk
-        ([0], False),  # nothing to attend
-        ([0, 0], False),
+        ([1], 1, True, False),  # one request: eager steps only (ROTATE_MIN_REQS)
+        ([1, 1], 1, True, True),
+        ([1, 1, 0], 1, True, True),  # and a padding request
+        ([1, 0], 1, True, True),  # one token, a padding request: a graph of two
+        ([1, 1], None, False, False),  # a FULL graph of 2 tokens and 2 requests (mode full) ...
+        ([2, 0], None, False, False),  # ... which also replays a chunk of one request
+        ([2, 2], 2, False, False),  # a verify step
+        ([0], 1, False, False),  # nothing to attend
+        ([0, 0], 1, False, False),
     ],
 )
-def test_decode_steps_rotate_in_the_attention_launch(q_lens, rotates):
-    """plan.rotates: steps of one token per request, from two requests; the batch alone
-    decides, so a plan made for a live step that then serves as a graph's warm-up (lazy
-    capture) answers as the capture's own plan will."""
+def test_decode_steps_rotate_in_the_attention_launch(q_lens, uniform, eager, graphed):
+    """plan.rotates: steps whose key has one token per request, from two requests in a graph,
+    from one eagerly. A plan made for a live step that then serves as a graph's warm-up and
+    capture (lazy capture) answers as the capture's own plan does."""
     from ostinato.attention import triton_backend
     from ostinato.kernels import variants
 
-    meta = _metadata(q_lens, [9] * len(q_lens))
+    meta = _metadata(q_lens, [9] * len(q_lens), uniform_query_len=uniform)
     live = triton_backend.TritonAttentionBackend().plan(meta)
+    assert live.rotates is eager
     with variants.recording():
-        assert live.rotates is rotates
+        assert live.rotates is graphed
         with variants.warm_only():
-            assert triton_backend.TritonAttentionBackend().plan(meta).rotates is rotates
+            assert live.rotates is graphed
+            assert triton_backend.TritonAttentionBackend().plan(meta).rotates is graphed
 
 
 class _Steps:

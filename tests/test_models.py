@@ -53,6 +53,7 @@ def step_metadata(starts: list[int], lens: list[int]) -> tuple[torch.Tensor, Att
         slot_mapping=slots,
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
+        uniform_query_len=lens[0] if len(set(lens)) == 1 else None,
     )
     return positions, meta
 

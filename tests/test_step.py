@@ -92,6 +92,32 @@ def test_dummy_steps_clamp_lengths_to_the_model_and_cycle_adapter_slots():
     assert step.lora_slots.tolist() == [0, 1] and step.desc == BatchDescriptor(9, 2, None, 2)
     three = dummy_step(num_tokens=3, num_reqs=3, max_model_len=8, block_size=BS, num_loras=2)
     assert three.lora_slots.tolist() == [0, 1, 0] and three.lora_slots.dtype == np.int32
+    assert three.desc == BatchDescriptor(3, 3, 1, 2)  # an even cut: uniform, as a live step's
+
+
+def test_the_forward_context_holds_the_keys_uniform_query_len():
+    """What attention may assume of a step's batch comes from its key, not its counts: a FULL
+    graph of 4 tokens and 4 requests (mode full) replays chunks too, so its context says
+    nothing is uniform, though its dummy batch is cut into single tokens; a FULL decode key
+    and an eager step's own batch say q."""
+    from ostinato.config import EngineConfig
+    from ostinato.loader import load_hf_config
+    from ostinato.runner.model_runner import ModelRunner
+
+    hf_config = load_hf_config("tiny")
+    config = EngineConfig(model="tiny", dtype="float32", device="cpu", max_num_seqs=8,
+                          max_num_batched_tokens=32).for_model(hf_config)  # fmt: skip
+    runner = ModelRunner(config, hf_config)
+    runner.start(16)
+    seen = []
+    plan = runner.backend.plan
+    runner.backend.plan = lambda meta: seen.append(meta.uniform_query_len) or plan(meta)
+    for desc in (BatchDescriptor(4, 4, None, 0), BatchDescriptor(4, 4, 1, 0)):
+        runner._fill_dummy_desc(desc)
+        runner._forward_desc(desc)
+    decode = seq("d", list(range(10, 16)), computed=5, blocks=[0, 1])
+    runner.launch(build_step(ScheduledBatch([decode], [1]), config.block_size, eager))
+    assert seen == [None, 1, 1]
 
 
 def test_a_seeded_requests_draws_depend_on_its_positions_alone():

@@ -27,10 +27,12 @@ SDPA_MIN_TOKENS = 4096
 # A graphed decode step of one request keeps the separate RoPE + store kernel: its QKV
 # projection is the one-row kernel (kernels/gemv.py), which lets the next kernel launch early
 # (PDL), and an attention launch waiting beside it cost qwen3-30b-a3b's batch-1 decode 7-8%
-# (3.20 -> 3.43-3.45 ms; 3.21 without its early launch, which cost qwen3-0.6b 3%). From two
-# requests the projection is cuBLAS and the rotating launch takes 3-5% off qwen3-0.6b's batch
-# 32 (2.11-2.15 -> 2.04-2.07 ms; benchmarks/h100-2026-11-27-s31.md). The batch alone decides,
-# so an eager step, a graph's warm-up and its capture always take the same kernels.
+# (3.20 -> 3.43-3.45 ms; 3.21 without its early launch, which cost qwen3-0.6b 3%). Letting
+# the projection's successor launch only after its FMAs cut that to +2% but cost qwen3-0.6b's
+# batch 1 9% (benchmarks/h100-2026-11-27-s32.md). From two requests the projection is cuBLAS
+# and the rotating launch takes 3-5% off qwen3-0.6b's batch 32 (2.11-2.15 -> 2.04-2.07 ms;
+# benchmarks/h100-2026-11-27-s31.md). An eager step of one request rotates too: it pays each
+# launch in host time, not in a graph's device time.
 ROTATE_MIN_REQS = 2
 # cuDNN first; flash, then the memory-efficient kernel (float32) where cuDNN declines
 _SDPA_ORDER = [
@@ -66,17 +68,25 @@ class TritonAttentionBackend(AttentionBackend):
 class TritonAttentionPlan:
     """A PagedAttention per layer shape (every layer of a model has the same one), made at the
     first layer's call and launched by the rest; or, for a step of fresh prompts, SDPA.
-    A step of one token per request rotates (ROTATE_MIN_REQS): its launch also applies RoPE
-    (and Qwen3's norms) to q and k and stores k and v (kernels/paged_attention.py, ROPE),
-    with the model's one cos|sin table, taken from the first layer's rotation."""
+    A step of one token per request rotates (`rotates`): its launch also applies RoPE (and
+    Qwen3's norms) to q and k and stores k and v (kernels/paged_attention.py, ROPE), with the
+    model's one cos|sin table, taken from the first layer's rotation."""
 
     def __init__(self, meta: AttentionMetadata, eager: EagerLaunches) -> None:
         self.meta = meta
         self.eager = eager
         self.launches: dict[tuple, PagedAttention] = {}
         self.fresh = fresh_prompts(meta)
-        decode = 0 < meta.num_tokens <= meta.num_reqs and self.fresh is None
-        self.rotates = decode and meta.num_reqs >= ROTATE_MIN_REQS
+        # the key's uniform length, not the counts: a FULL graph of n tokens and n requests
+        # (mode full) replays chunks and verify steps too
+        self.decode = meta.uniform_query_len == 1 and meta.num_tokens > 0 and self.fresh is None
+
+    @property
+    def rotates(self) -> bool:
+        """A decode step of ROTATE_MIN_REQS requests or more, or any eager one. Asked at each
+        call: lazy capture runs a live step's plan as a graph's warm-up and capture, which
+        take the graph's kernels (variants watches both)."""
+        return self.decode and (self.meta.num_reqs >= ROTATE_MIN_REQS or variants.mode is None)
 
     def __call__(
         self, q, k, v, out, k_cache, v_cache, scale: float, rotation: Rotation | None = None

@@ -151,7 +151,9 @@ class InputBuffers:
             counts=d["lora_counts"][:num_loras],
         )
 
-    def metadata(self, num_tokens: int, num_reqs: int) -> AttentionMetadata:
+    def metadata(
+        self, num_tokens: int, num_reqs: int, uniform_query_len: int | None = None
+    ) -> AttentionMetadata:
         """Attention metadata over the first num_tokens / num_reqs entries of the buffers."""
         d, h = self.device, self.host
         return AttentionMetadata(
@@ -163,6 +165,7 @@ class InputBuffers:
             slot_mapping=d["slot_mapping"][:num_tokens],
             query_start_loc_cpu=h["query_start_loc"][: num_reqs + 1],
             seq_lens_cpu=h["seq_lens"][:num_reqs],
+            uniform_query_len=uniform_query_len,
         )
 
 

@@ -182,8 +182,9 @@ class ModelRunner:
         )
         start = time.perf_counter()
         for num_tokens, num_reqs in batches:
-            self.buffers.load(self._dummy(num_tokens, num_reqs))
-            self._forward(num_tokens, num_reqs)
+            dummy = self._dummy(num_tokens, num_reqs)
+            self.buffers.load(dummy)
+            self._forward(num_tokens, num_reqs, dummy.desc)
         if self.rank.is_last_stage:
             self._warm_up_tail()
         torch.cuda.synchronize(self.device)
@@ -341,7 +342,7 @@ class ModelRunner:
         num_tokens, num_reqs = step.padded_tokens, step.padded_reqs
         if self.intermediate is not None:
             self.link.recv(self._intermediate(num_tokens))
-        ctx = self._context(num_tokens, num_reqs, step.desc.num_active_loras)
+        ctx = self._context(num_tokens, num_reqs, step.desc)
         with forward_context(ctx):  # PIECEWISE breaks read the live batch from it
             out = self.graphs.run(
                 step.mode, step.desc, step.num_tokens, lambda: self._model_forward(num_tokens)
@@ -420,17 +421,19 @@ class ModelRunner:
         intermediate = self._intermediate(num_tokens) if self.intermediate is not None else None
         return self.model(d["input_ids"][:num_tokens], d["positions"][:num_tokens], intermediate)
 
-    def _context(self, num_tokens: int, num_reqs: int, num_loras: int) -> ForwardContext:
+    def _context(self, num_tokens: int, num_reqs: int, desc: BatchDescriptor) -> ForwardContext:
+        """The first num_tokens / num_reqs entries of the buffers, run under desc (its
+        uniform query length, its adapter count)."""
         b = self.buffers
         return ForwardContext(
-            b.metadata(num_tokens, num_reqs),
+            b.metadata(num_tokens, num_reqs, desc.uniform_query_len),
             self.kv_caches,
             self.backend,
-            b.lora_metadata(num_tokens, num_loras),
+            b.lora_metadata(num_tokens, desc.num_active_loras),
         )
 
-    def _forward(self, num_tokens: int, num_reqs: int, num_loras: int = 0) -> StageOutput:
-        with forward_context(self._context(num_tokens, num_reqs, num_loras)):
+    def _forward(self, num_tokens: int, num_reqs: int, desc: BatchDescriptor) -> StageOutput:
+        with forward_context(self._context(num_tokens, num_reqs, desc)):
             return self._model_forward(num_tokens)
 
     # ---- graphs --------------------------------------------------------------------------
@@ -439,7 +442,7 @@ class ModelRunner:
         breaks read the live one at replay, so any count serves the warm-up and capture.
         The LM head stays outside: each graph keeps its output, and [num_reqs, vocab] logits
         per FULL graph cost 0.6 GiB over the default plan (measured on the H100)."""
-        return self._forward(desc.num_tokens, desc.num_reqs or 1, desc.num_active_loras)
+        return self._forward(desc.num_tokens, desc.num_reqs or 1, desc)
 
     def _fill_dummy_desc(self, desc: BatchDescriptor) -> None:
         self.buffers.load(self._dummy(desc.num_tokens, desc.num_reqs or 1, desc.num_active_loras))
@@ -488,8 +491,9 @@ class ModelRunner:
         num_tokens = self.config.max_num_batched_tokens
         num_reqs = min(self.config.max_num_seqs, num_tokens)
         num_loras = self.config.max_loras if self.lora is not None else 0
-        self.buffers.load(self._dummy(num_tokens, num_reqs, num_loras))
-        out = self._forward(num_tokens, num_reqs, num_loras)
+        dummy = self._dummy(num_tokens, num_reqs, num_loras)
+        self.buffers.load(dummy)
+        out = self._forward(num_tokens, num_reqs, dummy.desc)
         if self.rank.is_last_stage:  # gathered into the head's input, as _logits does
             rows = min(len(self.head_input), len(out))
             self.head_input[:rows].copy_(out[:rows])

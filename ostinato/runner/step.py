@@ -250,14 +250,16 @@ def dummy_step(
     """A fake batch that stores nothing: num_reqs requests sharing num_tokens tokens, every
     one reading block 0, for warm-up, capture and memory profiling. Its logits rows are every
     request's last token. With num_loras, requests take slots 0..num_loras-1 in turn (graph
-    keys of num_loras groups; groups beyond the requests are empty)."""
+    keys of num_loras groups; groups beyond the requests are empty). Its descriptor has the
+    uniform query length of an even cut, as a live step of those lengths would."""
     lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
     lens[: num_tokens % num_reqs] += 1
     ends = np.cumsum(lens)
     seq_lens = np.minimum(lens, max_model_len)
+    uniform = num_tokens // num_reqs if num_tokens % num_reqs == 0 else 0
     return StepInput(
         mode=CudaGraphMode.NONE,
-        desc=BatchDescriptor(num_tokens, num_reqs, None, num_loras),
+        desc=BatchDescriptor(num_tokens, num_reqs, uniform or None, num_loras),
         input_ids=np.zeros(num_tokens, dtype=np.int64),
         positions=np.zeros(num_tokens, dtype=np.int64),
         slot_mapping=np.full(num_tokens, -1, dtype=np.int64),

@@ -1,6 +1,8 @@
-"""check_graphs on a real captured graph: after capture the runner's positions buffer is
-swapped for a new tensor, so the graphs still read the old one (zeroed here) while the eager
-re-run reads the live positions. The check must fail and name the graph's descriptor."""
+"""check_graphs on a real captured graph: after capture the runner's input_ids buffer is
+swapped for a new tensor holding a token no step inputs. The graphs still read the old one,
+which each step's unpack kernel still fills; the eager re-run reads the new one, whose tokens
+are wrong (every forward embeds its input_ids; positions would not do: an eager decode step's
+RoPE reads the sequence lengths). The check must fail and name the graph's descriptor."""
 
 import pytest
 import torch
@@ -24,11 +26,10 @@ def generate(llm) -> list[int]:
     return llm.generate([PROMPT], params, use_tqdm=False)[0].token_ids
 
 
-def swap_positions(llm) -> None:
+def swap_input_ids(llm, avoid: list[int]) -> None:
     buffers = llm.engine.runner.buffers.device
-    captured = buffers["positions"]
-    buffers["positions"] = torch.zeros_like(captured)
-    captured.zero_()  # what the graphs read from now on
+    stranger = next(t for t in range(1, 100) if t not in avoid)
+    buffers["input_ids"] = torch.full_like(buffers["input_ids"], stranger)
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ def test_a_graph_reading_a_swapped_buffer_is_named(checkpoint, mode, named):
     llm = engine(checkpoint, mode, check_graphs=1, async_scheduling=False)
     expected = generate(llm)  # the same engine, unswapped, passes its checks
     assert llm.engine.runner.num_graph_checks > 0
-    swap_positions(llm)
+    swap_input_ids(llm, PROMPT + expected)
     with pytest.raises(RuntimeError, match="CUDA graph check failed") as failure:
         generate(llm)
     assert named in str(failure.value), str(failure.value)
