@@ -198,6 +198,16 @@ def test_block_hashes_chain_each_full_block_to_the_one_before():
     assert seq.block_hashes == [first, block_hash(first, (4, 5, 6, 7))]
 
 
+def test_without_prefix_caching_nothing_is_hashed_or_shared():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = compute(bm, Sequence("a", list(range(9)), SamplingParams()))
+    assert a.block_hashes == [] and bm.block_of_hash == {}
+    bm.free(a)
+    b = Sequence("b", list(range(9)), SamplingParams())
+    bm.allocate_cached_prefix(b)
+    assert (b.block_ids, b.num_computed_tokens, b.block_hashes) == ([], 0, [])
+
+
 def test_equal_blocks_after_different_prefixes_are_not_shared():
     bm = BlockManager(8, BS)
     a = compute(bm, Sequence("a", [1, 1, 1, 1, 5, 6, 7, 8], SamplingParams()))
