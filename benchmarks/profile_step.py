@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from ostinato.bench import copy_bandwidth, decode_floor_bytes, random_adapters
 from ostinato.config import EngineConfig
@@ -117,7 +118,7 @@ def phases(engine: LLMEngine, batch: int, steps: int) -> dict:
 
 
 def forward(runner, step):
-    ctx = runner._context(step.padded_tokens, step.padded_reqs, step.desc.num_active_loras)
+    ctx = runner._context(step.padded_tokens, step.padded_reqs, step.desc)
     with forward_context(ctx):
         return runner.graphs.run(
             step.mode, step.desc, step.num_tokens, lambda: runner._model_forward(step.padded_tokens)
@@ -227,7 +228,8 @@ def step_kernels(engine: LLMEngine, batch: int, steps: int = 8) -> dict:
 def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
     """One prompt of each length run alone (one output token, no prefix cache): the step's
     wall time against its kernels' device time, which kernels that is, and their count (the
-    gap between wall and device time is the host's or the launches')."""
+    gap between wall and device time is the host's or the launches'), and the step's
+    timeline (step_timeline: where that gap lies)."""
     engine = LLMEngine(
         EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=max(lengths) + 16,
                      async_scheduling=False, enable_prefix_caching=False)
@@ -238,7 +240,8 @@ def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
         wall_ms = wall_ms_plain(engine, length)  # also the warm-up of this size
         engine.add_request(prompts(engine, 1, length)[0], params)
         sync()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof, record_function(STEP):
             engine.step()
             sync()
         while engine.has_unfinished_requests():
@@ -258,9 +261,51 @@ def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
             "device_ms": sum(device_us.values()) / 1e3, "kernels": sum(names.values()),
             "top": {n: [names[n], round(us, 1)] for n, us in device_us.most_common(10)},
             "host_top": top_functions(profiler, 1, 15),
+            "timeline": step_timeline(intervals(prof)),
         })  # fmt: skip
     engine.shutdown()
     return results
+
+
+STEP = "profiled step"  # the record_function range around the profiled engine.step()
+GRAPH_LAUNCH = "cudaGraphLaunch"
+
+
+def intervals(prof) -> list[tuple[str, str, float, float]]:
+    """(kind, name, start µs, end µs) of the profiler's events: kind "device" for the GPU's
+    kernels, copies and memsets, "host" for the CPU's (runtime calls and ranges)."""
+    return [
+        ("device" if e.device_type == torch.autograd.DeviceType.CUDA else "host", e.name,
+         e.time_range.start, e.time_range.end)
+        for e in prof.events()
+    ]  # fmt: skip
+
+
+def step_timeline(events: list[tuple[str, str, float, float]]) -> dict:
+    """Where a profiled step's wall time goes, in ms: the host's work before the device's
+    first activity, the device's span from first start to last end (busy: the union of its
+    activities; idle: the rest of the span), the host's after it, and the graph launches'
+    host time. Only the device part is None on a CPU."""
+    (step,) = [(a, b) for kind, name, a, b in events if kind == "host" and name == STEP]
+    device = sorted((a, b) for kind, _, a, b in events if kind == "device" and a >= step[0])
+    launches = [b - a for kind, name, a, b in events if kind == "host" and name == GRAPH_LAUNCH]
+    result = {"wall_ms": (step[1] - step[0]) / 1e3, "graph_launches": len(launches),
+              "graph_launch_ms": sum(launches) / 1e3}  # fmt: skip
+    if not device:
+        return result | dict.fromkeys(("host_before_ms", "device_span_ms", "device_busy_ms",
+                                       "device_idle_ms", "host_after_ms"))  # fmt: skip
+    busy, reach = 0.0, device[0][0]
+    for a, b in device:  # the union of the intervals, in start order
+        busy += max(0.0, b - max(a, reach))
+        reach = max(reach, b)
+    span = reach - device[0][0]
+    return result | {
+        "host_before_ms": (device[0][0] - step[0]) / 1e3,
+        "device_span_ms": span / 1e3,
+        "device_busy_ms": busy / 1e3,
+        "device_idle_ms": (span - busy) / 1e3,
+        "host_after_ms": (step[1] - reach) / 1e3,
+    }
 
 
 def wall_ms_plain(engine: LLMEngine, length: int, reps: int = 3) -> float:
@@ -297,7 +342,7 @@ def pieces(engine: LLMEngine, batch: int) -> dict:
     runner = engine.runner
     graph = runner.graphs.graphs[CudaGraphMode.PIECEWISE][step.desc]
     segment, brk = graph._steps[2], graph._steps[1]
-    ctx = runner._context(step.padded_tokens, step.padded_reqs, step.desc.num_active_loras)
+    ctx = runner._context(step.padded_tokens, step.padded_reqs, step.desc)
     with forward_context(ctx):
         result = {
             "attention_call_us": per_call_us(brk),

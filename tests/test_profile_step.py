@@ -79,3 +79,34 @@ def test_a_profiled_decode_step_runs_its_requests_adapters(profile_step, monkeyp
     monkeypatch.setattr(layer, "lora_shrink", lambda *a: shrinks.append(1) or shrink(*a))
     profile_step.forward(engine.runner, step)
     assert step.desc.num_active_loras == 1 and shrinks
+
+
+def test_a_step_timeline_splits_the_wall_time(profile_step):
+    """Overlapping device work counts once; the device's gaps inside its span are idle time;
+    what precedes its first start and follows its last end is the host's."""
+    events = [
+        ("host", profile_step.STEP, 1000.0, 2000.0),
+        ("host", profile_step.GRAPH_LAUNCH, 1100.0, 1150.0),
+        ("host", "aten::copy_", 1020.0, 1040.0),
+        ("device", "gemm", 1200.0, 1400.0),
+        ("device", "norm", 1350.0, 1500.0),  # overlaps gemm (PDL)
+        ("device", "attention", 1600.0, 1700.0),
+    ]
+    got = profile_step.step_timeline(events)
+    want = {"wall_ms": 1.0, "graph_launches": 1, "graph_launch_ms": 0.05, "host_before_ms": 0.2,
+            "device_span_ms": 0.5, "device_busy_ms": 0.4, "device_idle_ms": 0.1,
+            "host_after_ms": 0.3}  # fmt: skip
+    assert got == pytest.approx(want)
+
+
+def test_the_prefill_section_runs_on_tiny(profile_step, monkeypatch, tmp_path):
+    """On a CPU the timeline has the step's wall time and no device part."""
+    out = tmp_path / "rows.jsonl"
+    argv = ["profile_step.py", "--model", "tiny", "--modes", "none", "--sections", "prefill",
+            "--prefill-lengths", "16", "--json", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_step.main()
+    (row,) = map(json.loads, out.read_text().splitlines())
+    assert (row["section"], row["tokens"], row["kernels"]) == ("prefill", 16, 0)
+    timeline = row["timeline"]
+    assert timeline["wall_ms"] > 0 and timeline["device_span_ms"] is None
