@@ -21,13 +21,18 @@ def profile_step():
     return module
 
 
-def test_phases_and_host_sections_run_on_tiny(profile_step, monkeypatch, tmp_path):
+def run_on_tiny(profile_step, monkeypatch, tmp_path, *flags: str) -> list[dict]:
+    """main() on the tiny model in mode none with these flags: the rows it writes."""
     out = tmp_path / "rows.jsonl"
-    argv = ["profile_step.py", "--model", "tiny", "--modes", "none", "--batch-sizes", "2",
-            "--sections", "phases,host", "--json", str(out)]  # fmt: skip
+    argv = ["profile_step.py", "--model", "tiny", "--modes", "none", *flags, "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     profile_step.main()
-    rows = {r["section"]: r for r in map(json.loads, out.read_text().splitlines())}
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_phases_and_host_sections_run_on_tiny(profile_step, monkeypatch, tmp_path):
+    flags = ("--batch-sizes", "2", "--sections", "phases,host")
+    rows = {r["section"]: r for r in run_on_tiny(profile_step, monkeypatch, tmp_path, *flags)}
     phases = rows["phases"]
     assert phases["step_mode"] == "none" and phases["batch"] == 2
     assert all(phases[p] > 0 for p in ("prepare", "forward", "sample"))
@@ -46,15 +51,11 @@ def test_num_loras_gives_the_decode_requests_adapters_in_turn(profile_step, monk
             taken.append(lora_request) or add(self, *a, lora_request=lora_request, **kw)
         ),
     )
-    out = tmp_path / "rows.jsonl"
-    argv = ["profile_step.py", "--model", "tiny", "--modes", "none", "--batch-sizes", "3",
-            "--sections", "phases", "--num-loras", "2", "--lora-rank", "4",
-            "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    profile_step.main()
+    flags = ("--batch-sizes", "3", "--sections", "phases", "--num-loras", "2", "--lora-rank", "4")
+    rows = run_on_tiny(profile_step, monkeypatch, tmp_path, *flags)
     names = [r.name for r in taken[:3]]
     assert names == ["lora0", "lora1", "lora0"]
-    assert json.loads(out.read_text().splitlines()[0])["num_loras"] == 2
+    assert rows[0]["num_loras"] == 2
 
 
 @pytest.mark.parametrize("flags", [["--num-loras", "-1"], ["--num-loras", "1", "--lora-rank", "0"]])
@@ -90,23 +91,20 @@ def test_a_step_timeline_splits_the_wall_time(profile_step):
         ("host", "aten::copy_", 1020.0, 1040.0),
         ("device", "gemm", 1200.0, 1400.0),
         ("device", "norm", 1350.0, 1500.0),  # overlaps gemm (PDL)
-        ("device", "attention", 1600.0, 1700.0),
+        ("device", "attention", 1550.0, 1800.0),
+        ("device", "copy", 1600.0, 1700.0),  # starts last, inside attention
     ]
     got = profile_step.step_timeline(events)
     want = {"wall_ms": 1.0, "graph_launches": 1, "graph_launch_ms": 0.05, "host_before_ms": 0.2,
-            "device_span_ms": 0.5, "device_busy_ms": 0.4, "device_idle_ms": 0.1,
-            "host_after_ms": 0.3}  # fmt: skip
+            "device_span_ms": 0.6, "device_busy_ms": 0.55, "device_idle_ms": 0.05,
+            "host_after_ms": 0.2}  # fmt: skip
     assert got == pytest.approx(want)
 
 
 def test_the_prefill_section_runs_on_tiny(profile_step, monkeypatch, tmp_path):
     """On a CPU the timeline has the step's wall time and no device part."""
-    out = tmp_path / "rows.jsonl"
-    argv = ["profile_step.py", "--model", "tiny", "--modes", "none", "--sections", "prefill",
-            "--prefill-lengths", "16", "--json", str(out)]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", argv)
-    profile_step.main()
-    (row,) = map(json.loads, out.read_text().splitlines())
+    flags = ("--sections", "prefill", "--prefill-lengths", "16")
+    (row,) = run_on_tiny(profile_step, monkeypatch, tmp_path, *flags)
     assert (row["section"], row["tokens"], row["kernels"]) == ("prefill", 16, 0)
     timeline = row["timeline"]
     assert timeline["wall_ms"] > 0 and timeline["device_span_ms"] is None
