@@ -91,7 +91,7 @@ def make_runner(batch: int) -> ModelRunner:
 def step(runner: ModelRunner, batch: int) -> torch.Tensor:
     """The eager step's forward and LM head (ModelRunner.launch in mode none, under the
     descriptor its dispatch gives a decode batch)."""
-    out = runner._forward(batch, batch, BatchDescriptor(batch, batch, 1, 0))
+    out = runner._forward_desc(BatchDescriptor(batch, batch, 1, 0))
     return runner._logits(out, 0, batch)
 
 
