@@ -79,9 +79,14 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--json", help="append one JSON line per graph to this file")
     args = parser.parse_args()
+    sizes = args.kernels.split(",")
+    if not all(n.isdigit() and int(n) > 0 for n in sizes) or args.replays < 1:
+        parser.error("--kernels takes positive counts, e.g. 64,256; --replays at least 1")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device: it times CUDA graph replays")
     print("| kernels | PDL | replay(): host µs | replay: device µs | host µs a kernel |")
     print("|---|---|---|---|---|")
-    for kernels in map(int, args.kernels.split(",")):
+    for kernels in map(int, sizes):
         for pdl in (False, True):
             r = measure(kernels, pdl, args.replays)
             host, device = r["replay_host_us"], r["replay_device_us"]
