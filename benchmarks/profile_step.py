@@ -225,11 +225,14 @@ def step_kernels(engine: LLMEngine, batch: int, steps: int = 8) -> dict:
     }
 
 
-def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
+def prefill_kernels(
+    model: str, mode: str, lengths: list[int], trace_dir: str | None = None
+) -> list[dict]:
     """One prompt of each length run alone (one output token, no prefix cache): the step's
     wall time against its kernels' device time, which kernels that is, and their count (the
     gap between wall and device time is the host's or the launches'), and the step's
-    timeline (step_timeline: where that gap lies)."""
+    timeline (step_timeline: where that gap lies). With trace_dir, each profiled step's
+    Chrome trace is written there as prefill-MODE-LENGTH.json."""
     engine = LLMEngine(
         EngineConfig(model=model, cuda_graph_mode=mode, max_model_len=max(lengths) + 16,
                      async_scheduling=False, enable_prefix_caching=False)
@@ -244,6 +247,8 @@ def prefill_kernels(model: str, mode: str, lengths: list[int]) -> list[dict]:
         with torch.profiler.profile(activities=activities) as prof, record_function(STEP):
             engine.step()
             sync()
+        if trace_dir:
+            prof.export_chrome_trace(f"{trace_dir}/prefill-{mode}-{length}.json")
         while engine.has_unfinished_requests():
             engine.step()
         engine.add_request(prompts(engine, 1, length)[0], params)
@@ -433,6 +438,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16, help="their rank (default 16)")
     parser.add_argument("--quantization", help="e.g. fp8: the decode sections on FP8 weights")
     parser.add_argument("--prefill-lengths", default="512,2048,8192", help="prefill section")
+    parser.add_argument("--trace-dir", help="prefill section: write each step's Chrome trace here")
     parser.add_argument("--json", help="append every result here as a JSON line")
     parser.add_argument("--no-pdl", action="store_true", help="A/B: launch without PDL")
     parser.add_argument("--no-gemv", action="store_true", help="A/B: cuBLAS for every projection")
@@ -484,7 +490,7 @@ def main() -> None:
 
     for mode in args.modes.split(","):
         if "prefill" in sections:
-            for result in prefill_kernels(args.model, mode, lengths):
+            for result in prefill_kernels(args.model, mode, lengths, args.trace_dir):
                 emit(section="prefill", **result)
         engine = build(args.model, mode, args.quantization, args.num_loras, args.lora_rank)
         adapter_dir = tempfile.TemporaryDirectory(prefix="ostinato-lora-")

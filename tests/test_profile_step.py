@@ -103,8 +103,12 @@ def test_a_step_timeline_splits_the_wall_time(profile_step):
 
 def test_the_prefill_section_runs_on_tiny(profile_step, monkeypatch, tmp_path):
     """On a CPU the timeline has the step's wall time and no device part."""
-    flags = ("--sections", "prefill", "--prefill-lengths", "16")
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    flags = ("--sections", "prefill", "--prefill-lengths", "16", "--trace-dir", str(traces))
     (row,) = run_on_tiny(profile_step, monkeypatch, tmp_path, *flags)
     assert (row["section"], row["tokens"], row["kernels"]) == ("prefill", 16, 0)
     timeline = row["timeline"]
     assert timeline["wall_ms"] > 0 and timeline["device_span_ms"] is None
+    trace = json.loads((traces / f"prefill-{row['mode']}-16.json").read_text())
+    assert any(e.get("name") == profile_step.STEP for e in trace["traceEvents"])
