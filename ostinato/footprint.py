@@ -1,12 +1,14 @@
 """What a model's weights weigh, and how much of them one decode step reads: every dense weight
-at its stored width (FP8: one byte, plus its scales), and of each mixture-of-experts layer only
-the experts the step's tokens choose. Shapes only (a model on the meta device)."""
+at its stored width (FP8: one byte, plus its scales), of each mixture-of-experts layer only
+the experts the step's tokens choose, and of the token embedding only their rows. Shapes only
+(a model on the meta device)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ostinato.layers.embedding import VocabEmbedding
 from ostinato.layers.moe import FusedMoE
 from ostinato.loader import build_model, finish_loading
 from ostinato.quantization import QuantSpec
@@ -25,18 +27,26 @@ def active_experts(num_experts: int, top_k: int, tokens: int) -> float:
 
 
 def step_weight_bytes(model: nn.Module, tokens: int | None = None) -> int:
-    """Weight bytes a step of `tokens` tokens reads (None: all of them, every expert)."""
-    total, seen = 0.0, set()
+    """Weight bytes a step of `tokens` tokens reads (None: all of them, every expert). A tied
+    weight counts once, at the largest share any of its modules reads."""
+    shares: dict[int, tuple[nn.Parameter, float]] = {}
     for module in model.modules():
-        share = 1.0
-        if isinstance(module, FusedMoE) and tokens is not None:
-            experts = module.w13.shape[0]
-            share = active_experts(experts, module.top_k, tokens) / experts
+        share = 1.0 if tokens is None else _share_read(module, tokens)
         for p in module.parameters(recurse=False):
-            if id(p) not in seen:  # a tied weight once
-                seen.add(id(p))
-                total += p.numel() * p.element_size() * share
-    return int(total)
+            shares[id(p)] = (p, max(share, shares.get(id(p), (p, 0.0))[1]))
+    return int(sum(p.numel() * p.element_size() * share for p, share in shares.values()))
+
+
+def _share_read(module: nn.Module, tokens: int) -> float:
+    """The share of module's own weights a step of `tokens` tokens reads: of a mixture of
+    experts the experts its tokens choose, of a token embedding (not the LM head, which reads
+    its every row) a row a token."""
+    if isinstance(module, FusedMoE):
+        experts = module.w13.shape[0]
+        return active_experts(experts, module.top_k, tokens) / experts
+    if type(module) is VocabEmbedding:
+        return min(tokens, module.rows) / module.rows
+    return 1.0
 
 
 def describe(hf_config, dtype: torch.dtype, quantization: QuantSpec | None) -> dict:

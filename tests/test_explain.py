@@ -121,13 +121,16 @@ def test_explain_shows_the_moe_shape_and_the_experts_a_decode_step_reads(no_cuda
     # by hand, in bf16: each layer's 128 experts of 3 x 2048 x 768 weights, and the rest
     expert = 3 * 2048 * 768 * 2
     attention = (2048 * (32 + 4 + 4) * 128 + 32 * 128 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048) * 2
-    rest = 2 * 151936 * 2048 * 2 + 2048 * 2
-    assert out["weight_bytes"] == 48 * (128 * expert + attention) + rest
-    assert out["decode_step_weight_bytes"]["batch_1"] == 48 * (8 * expert + attention) + rest
+    lm_head, row, norm = 151936 * 2048 * 2, 2048 * 2, 2048 * 2
+    assert out["weight_bytes"] == 48 * (128 * expert + attention) + 2 * lm_head + norm
+    # a step reads the LM head whole but of the (untied) embedding only its tokens' rows
+    rest = lm_head + norm
+    batch_1 = out["decode_step_weight_bytes"]["batch_1"]
+    assert batch_1 == 48 * (8 * expert + attention) + rest + row
     # 32 tokens choose about 112 of the 128 experts (uniform routing)
     chosen = 128 * (1 - (120 / 128) ** 32)
     batch_32 = out["decode_step_weight_bytes"]["batch_32"]
-    assert abs(batch_32 - (48 * (chosen * expert + attention) + rest)) < 2
+    assert abs(batch_32 - (48 * (chosen * expert + attention) + rest + 32 * row)) < 2
 
 
 def test_explain_shows_fp8_weights_at_one_byte_plus_their_scales(no_cuda_calls):
@@ -138,7 +141,14 @@ def test_explain_shows_fp8_weights_at_one_byte_plus_their_scales(no_cuda_calls):
     linear = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096)  # one float32 scale per row
     assert bf16["weight_bytes"] - fp8["weight_bytes"] == linear * 2 - (linear + rows * 4)
-    assert fp8["decode_step_weight_bytes"]["batch_1"] == fp8["weight_bytes"]
+    embedding_not_read = (128256 - 1) * 4096 * 2  # bf16, one row a token
+    assert fp8["decode_step_weight_bytes"]["batch_1"] == fp8["weight_bytes"] - embedding_not_read
+
+
+def test_a_tied_embedding_counts_whole_in_a_decode_step(no_cuda_calls):
+    """qwen3-0.6b's LM head is its embedding: a step reads every row through the head."""
+    out = _explain("random:qwen3-0.6b")
+    assert out["decode_step_weight_bytes"]["batch_1"] == out["weight_bytes"]
 
 
 def test_full_prefill_sizes_are_shown_apart_and_follow_the_cap(no_cuda_calls):
