@@ -45,6 +45,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "layout": ("ostinato/layout.py", ["tests/test_layout.py"]),
     "quantization": ("ostinato/quantization.py", ["tests/test_quantization_spec.py"]),
     "triton_backend": ("ostinato/attention/triton_backend.py", ["tests/test_kernels.py"]),
+    "footprint": ("ostinato/footprint.py", ["tests/test_explain.py"]),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant

@@ -4,9 +4,14 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from ostinato.config import EngineConfig
+from ostinato.footprint import describe, step_weight_bytes
 from ostinato.graphs.explain import explain
+from ostinato.layers.embedding import LMHead, VocabEmbedding
+from ostinato.loader import load_hf_config
+from ostinato.quantization import resolve_quantization
 
 
 @pytest.fixture
@@ -106,8 +111,6 @@ def test_speculation_captures_verify_graphs_up_to_max_num_seqs_times_q(no_cuda_c
 
 
 def _explain(model: str, **kwargs) -> dict:
-    from ostinato.loader import load_hf_config
-
     config = EngineConfig(model=model, device="cuda", **kwargs)
     hf = load_hf_config(model)
     return json.loads(json.dumps(explain(config.for_model(hf), hf)))
@@ -136,13 +139,28 @@ def test_explain_shows_the_moe_shape_and_the_experts_a_decode_step_reads(no_cuda
 def test_explain_shows_fp8_weights_at_one_byte_plus_their_scales(no_cuda_calls):
     bf16 = _explain("random:llama-3.1-8b")
     fp8 = _explain("random:llama-3.1-8b", quantization="fp8")
-    assert bf16["quantization"] is None
-    assert fp8["quantization"]["scales"] == "one per output row (at load)"
+    assert bf16["quantization"] is None and bf16["moe"] is None
+    assert fp8["quantization"] == {"method": "fp8", "weights": "float8_e4m3fn",
+                                   "scales": "one per output row (at load)"}  # fmt: skip
     linear = 32 * (4096 * (4096 + 1024 + 1024) + 4096 * 4096 + 3 * 4096 * 14336)
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 2 * 14336 + 4096)  # one float32 scale per row
     assert bf16["weight_bytes"] - fp8["weight_bytes"] == linear * 2 - (linear + rows * 4)
     embedding_not_read = (128256 - 1) * 4096 * 2  # bf16, one row a token
     assert fp8["decode_step_weight_bytes"]["batch_1"] == fp8["weight_bytes"] - embedding_not_read
+
+
+def test_a_checkpoints_fp8_blocks_are_shown_as_they_are():
+    hf = load_hf_config("random:qwen3-0.6b")
+    hf.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 64]}
+    report = describe(hf, torch.bfloat16, resolve_quantization(None, hf))
+    assert report["quantization"]["scales"] == "one per 128x64 block (checkpoint)"
+
+
+def test_a_tied_weight_counts_at_its_largest_share_in_either_module_order():
+    head, embedding = LMHead(100, 8), VocabEmbedding(100, 8)
+    embedding.weight = head.weight
+    for modules in ((head, embedding), (embedding, head)):
+        assert step_weight_bytes(nn.Sequential(*modules), tokens=1) == 100 * 8 * 4
 
 
 def test_a_tied_embedding_counts_whole_in_a_decode_step(no_cuda_calls):
