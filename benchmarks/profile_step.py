@@ -173,11 +173,11 @@ def one_decode_step(engine: LLMEngine, batch: int):
 
 def device_kernels(prof, copies: bool) -> tuple[Counter[str], Counter[str]]:
     """(count, device µs) of each kernel the profiler saw, by name; copies and memsets too
-    with copies."""
+    with copies. Not the device's copy of the profiled step's range (STEP), which spans them."""
     names: Counter[str] = Counter()
     device_us: Counter[str] = Counter()
     for e in prof.events():
-        kept = copies or not e.name.startswith("Mem")
+        kept = (copies or not e.name.startswith("Mem")) and e.name != STEP
         if e.device_type == torch.autograd.DeviceType.CUDA and kept:
             names[e.name[:60]] += 1
             device_us[e.name[:60]] += e.device_time
@@ -290,9 +290,11 @@ def step_timeline(events: list[tuple[str, str, float, float]]) -> dict:
     """Where a profiled step's wall time goes, in ms: the host's work before the device's
     first activity, the device's span from first start to last end (busy: the union of its
     activities; idle: the rest of the span), the host's after it, and the graph launches'
-    host time. Only the device part is None on a CPU."""
+    host time. Only the device part is None on a CPU. The device's copy of the step's range
+    (a CUDA trace shows record_function ranges on the device too) is no activity."""
     (step,) = [(a, b) for kind, name, a, b in events if kind == "host" and name == STEP]
-    device = sorted((a, b) for kind, _, a, b in events if kind == "device" and a >= step[0])
+    device = sorted((a, b) for kind, name, a, b in events
+                    if kind == "device" and a >= step[0] and name != STEP)  # fmt: skip
     launches = [b - a for kind, name, a, b in events if kind == "host" and name == GRAPH_LAUNCH]
     result = {"wall_ms": (step[1] - step[0]) / 1e3, "graph_launches": len(launches),
               "graph_launch_ms": sum(launches) / 1e3}  # fmt: skip

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -84,9 +85,11 @@ def test_a_profiled_decode_step_runs_its_requests_adapters(profile_step, monkeyp
 
 def test_a_step_timeline_splits_the_wall_time(profile_step):
     """Overlapping device work counts once; the device's gaps inside its span are idle time;
-    what precedes its first start and follows its last end is the host's."""
+    what precedes its first start and follows its last end is the host's. The device's copy
+    of the step's range is no activity."""
     events = [
         ("host", profile_step.STEP, 1000.0, 2000.0),
+        ("device", profile_step.STEP, 1190.0, 1810.0),
         ("host", profile_step.GRAPH_LAUNCH, 1100.0, 1150.0),
         ("host", "aten::copy_", 1020.0, 1040.0),
         ("device", "gemm", 1200.0, 1400.0),
@@ -99,6 +102,15 @@ def test_a_step_timeline_splits_the_wall_time(profile_step):
             "device_span_ms": 0.6, "device_busy_ms": 0.55, "device_idle_ms": 0.05,
             "host_after_ms": 0.2}  # fmt: skip
     assert got == pytest.approx(want)
+
+
+def test_the_steps_range_is_no_kernel(profile_step):
+    """A CUDA trace shows the profiled step's range on the device too: not a kernel."""
+    cuda = profile_step.torch.autograd.DeviceType.CUDA
+    timed = ((profile_step.STEP, 900.0), ("gemm", 200.0), ("gemm", 100.0))
+    events = [SimpleNamespace(name=n, device_type=cuda, device_time=us) for n, us in timed]
+    names, device_us = profile_step.device_kernels(SimpleNamespace(events=lambda: events), True)
+    assert names == {"gemm": 2} and device_us == {"gemm": 300.0}
 
 
 def test_the_prefill_section_runs_on_tiny(profile_step, monkeypatch, tmp_path):
