@@ -244,9 +244,14 @@ def prefill_kernels(
         engine.add_request(prompts(engine, 1, length)[0], params)
         sync()
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof, record_function(STEP):
-            engine.step()
+        with torch.profiler.profile(activities=activities) as prof:
+            # the profiler's first device activity stalls the host ~2.6 ms (CUPTI's buffers,
+            # h100-2026-11-27-s33.md): one before the step keeps that out of its timeline
+            torch.ones(1, device=engine.config.device).add_(1)
             sync()
+            with record_function(STEP):
+                engine.step()
+                sync()
         if trace_dir:
             prof.export_chrome_trace(f"{trace_dir}/prefill-{mode}-{length}.json")
         while engine.has_unfinished_requests():
