@@ -46,6 +46,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "quantization": ("ostinato/quantization.py", ["tests/test_quantization_spec.py"]),
     "triton_backend": ("ostinato/attention/triton_backend.py", ["tests/test_kernels.py"]),
     "footprint": ("ostinato/footprint.py", ["tests/test_explain.py"]),
+    "sampling_params": (
+        "ostinato/sampling_params.py",
+        ["tests/test_sampling_params_checks.py", "tests/test_sampling_params.py"],
+    ),
 }
 
 # module -> the methods mutated, where a module's name is one part of its file: every mutant
