@@ -126,5 +126,11 @@ p)  # n2: one-prompt prefill steps' timeline (device range and CUPTI's first-act
 l)  # host µs per F.linear call at qwen3-0.6b's prefill shapes, by BLAS library (.gpu/linear_host.py)
   timeout 120 python3 .gpu/linear_host.py 2>>$OUT/err.txt | tee $OUT/linear_host.txt
   ;;
+s)  # n2: issue 17's serving bench (gpu_session.sh verify-bench's): qwen3-0.6b, 512 +- 50% in, 128 out, rates 8, 32, inf
+  python3 -c "import fastapi, uvicorn, zmq, msgspec" 2>>$OUT/err.txt && echo deps ok
+  (cd .gpu/n2 && timeout 200 python3 -m ostinato.cli bench serve --launch --model random:qwen3-0.6b --max-model-len 2048 \
+    --request-rate 8,32,inf --num-prompts 80 --input-len 512 --output-len 128 --len-spread 0.5 --logprobs 0 --json \
+    --server-log $OUT/serve.log 2>>$OUT/err.txt | tee -a $OUT/serve.jsonl | cut -c1-700)
+  ;;
 esac
 grep -iE "error|Traceback" $OUT/err.txt 2>/dev/null | tail -5
