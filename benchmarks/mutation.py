@@ -46,6 +46,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "quantization": ("ostinato/quantization.py", ["tests/test_quantization_spec.py"]),
     "triton_backend": ("ostinato/attention/triton_backend.py", ["tests/test_kernels.py"]),
     "footprint": ("ostinato/footprint.py", ["tests/test_explain.py"]),
+    "engine_args": ("ostinato/engine_args.py", ["tests/test_engine_args.py"]),
     "sampling_params": (
         "ostinato/sampling_params.py",
         ["tests/test_sampling_params_checks.py", "tests/test_sampling_params.py"],
