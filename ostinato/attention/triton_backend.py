@@ -26,16 +26,13 @@ from ostinato.kernels.paged_attention import LayerShape, Rope, attention_sms, la
 SDPA_MIN_TOKENS = 4096
 # A graphed decode step of one request keeps the separate RoPE + store kernel: its QKV
 # projection is the one-row kernel (kernels/gemv.py), which lets the next kernel launch early
-# (PDL), and an attention launch waiting beside it cost qwen3-30b-a3b's batch-1 decode 7-8%
-# (3.20 -> 3.43-3.45 ms; 3.21 without its early launch, which cost qwen3-0.6b 3%). Letting
-# the projection's successor launch only after its FMAs cut that to +2% but cost qwen3-0.6b's
-# batch 1 9% (benchmarks/h100-2026-11-27-s32.md). Rotating at batch 1 also cost llama-3.1-8b
-# 1.4% (5.37 -> 5.45 ms) and gave qwen3-0.6b 0.900, 1.110 and 1.004 against 0.916-0.935 ms
-# (benchmarks/h100-2026-11-27-s33.md); a one-wave QKV launch for qwen3-30b-a3b did not help
-# (3.46 ms). From two requests the projection is cuBLAS and the rotating launch takes 3-5%
-# off qwen3-0.6b's batch 32 (2.11-2.15 -> 2.04-2.07 ms; benchmarks/h100-2026-11-27-s31.md).
-# An eager step of one request rotates too: it pays each launch in host time, not in a
-# graph's device time.
+# (PDL), and a rotating attention launch waiting beside it cost qwen3-30b-a3b's batch 1 7-8%
+# and llama-3.1-8b's 1.4%, while qwen3-0.6b's gain was unstable (benchmarks/
+# h100-2026-11-27-s32.md and -s33.md: a later trigger moved the cost to qwen3-0.6b, a one-wave
+# QKV launch changed nothing).
+# From two requests the projection is cuBLAS and rotating takes 3-5% off qwen3-0.6b's batch 32
+# (-s31.md). An eager step of one request rotates too: it pays each launch in host time, not
+# in a graph's device time.
 ROTATE_MIN_REQS = 2
 # cuDNN first; flash, then the memory-efficient kernel (float32) where cuDNN declines
 _SDPA_ORDER = [
