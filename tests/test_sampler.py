@@ -6,8 +6,10 @@ import math
 import pytest
 import torch
 
+from ostinato.runner import sampler as sampler_module
+from ostinato.runner.logits_processors import process_logits
 from ostinato.runner.sampler import SampledTokens, Sampler
-from ostinato.runner.step import SamplingRow
+from ostinato.runner.step import SamplingRow, TokenHistory
 from ostinato.sampling_params import SamplingParams
 
 
@@ -214,3 +216,28 @@ def test_launch_returns_device_tokens_before_the_host_result():
     assert isinstance(pending, SampledTokens)
     assert pending.tokens.tolist() == [1, 0]
     assert pending.result().token_ids == [[1], [0]]
+
+
+def test_greedy_only_rows_take_the_argmax_of_the_logits_as_they_are(monkeypatch):
+    """Rows that want their greedy token and nothing else (a draft's rows included): the argmax
+    of the bfloat16 logits, neither widened nor processed; ties go to the first, as in float32.
+    A row that asks for more (logprobs, a bias, a penalty) sends the batch the full way."""
+    widened = []
+
+    def spy(logits, *args):
+        widened.append(logits.dtype)
+        return process_logits(logits, *args)
+
+    monkeypatch.setattr(sampler_module, "process_logits", spy)
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 0.0], [0.0, 0.1, 0.2, 0.3]],
+                          dtype=torch.bfloat16)  # fmt: skip
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SamplingRow("a", greedy, 0, (1,)), SamplingRow("b", greedy, 0)]  # a's draft stands
+    assert Sampler()(logits, rows).token_ids == [[1, 0], [3]] and not widened
+    assert logits.float().argmax(dim=-1).tolist() == [1, 0, 3]
+    history = TokenHistory((2,), (1,), False)
+    asks = ({"logprobs": 1}, {"logit_bias": {2: 0.5}}, {"presence_penalty": 0.5})
+    for params in (SamplingParams(temperature=0.0, **ask) for ask in asks):
+        more = SamplingRow("c", params, 1, history=history if params.penalized else None)
+        Sampler()(logits[:2], [SamplingRow("b", greedy, 0), more])
+        assert widened.pop() == torch.float32

@@ -13,6 +13,11 @@ import torch
 from ostinato.runner.step import SamplingRow
 
 
+def processes(rows: list[SamplingRow]) -> bool:
+    """Whether some request asks process_logits for anything."""
+    return any(r.min_tokens_left or r.history is not None or r.params.logit_bias for r in rows)
+
+
 def process_logits(
     logits: torch.Tensor,
     rows: list[SamplingRow],
@@ -23,7 +28,7 @@ def process_logits(
     see SamplingRow). input_tokens() gives each logits row's input token on the device (a
     request's in-flight token, which only the device knows yet). Returns logits itself when
     no request asks for anything."""
-    if not any(r.min_tokens_left or r.history is not None or r.params.logit_bias for r in rows):
+    if not processes(rows):
         return logits
     offsets = [j for r in rows for j in range(1 + len(r.draft_token_ids))]
     masked = [i for i, o in enumerate(owners) if offsets[i] < o.min_tokens_left and o.banned]

@@ -39,6 +39,7 @@ from ostinato.runner.sampler import (
     SampledTokens,
     Sampler,
     SamplerOutput,
+    greedy_rows,
     nucleus_rows,
     warm_up_rows,
 )
@@ -221,6 +222,7 @@ class ModelRunner:
             for rows in sorted({min(3, most), most}):  # from 3 rows on, every path is taken
                 self.sampler(logits[:rows], warm_up_rows(rows))
                 self.sampler(logits[:rows], nucleus_rows(rows))
+                self.sampler(logits[:rows], greedy_rows(rows))
             # structured outputs' token bitmask: its kernel does not specialise on the
             # tokenizer's width, which only the grammar library knows, so any width will do
             mask = TokenBitmask.for_rows([0], words_for(self.hf_config.vocab_size))
