@@ -1,5 +1,5 @@
 #!/bin/bash
-# session 33 calls: bash .gpu/s33.sh STAGE   (trees under .gpu/: m0 = main b092a25 + profile_step --trace-dir; n1 = e8ca98c, the decode floor without the untied embedding table; n2 = the prefill timeline without the step's device range)
+# session 33 calls: bash .gpu/s33.sh STAGE   (trees under .gpu/: m0 = main b092a25 + profile_step --trace-dir; n1 = e8ca98c, the decode floor without the untied embedding table; n2 = the prefill timeline without the step's device range; n3 = n2 + greedy-only rows take the argmax of the bf16 logits)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=.:/tmp/site
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
@@ -131,6 +131,20 @@ s)  # n2: issue 17's serving bench (gpu_session.sh verify-bench's): qwen3-0.6b, 
   (cd .gpu/n2 && timeout 200 python3 -m ostinato.cli bench serve --launch --model random:qwen3-0.6b --max-model-len 2048 \
     --request-rate 8,32,inf --num-prompts 80 --input-len 512 --output-len 128 --len-spread 0.5 --logprobs 0 --json \
     --server-log $OUT/serve.log 2>>$OUT/err.txt | tee -a $OUT/serve.jsonl | cut -c1-700)
+  ;;
+g2)  # n3: the greedy argmax without the float32 cast: the GPU tests that sample greedily in graphs and warm up the tail;
+    # the whole decode step's kernels at batch 1 and 32 (the cast kernel gone)
+  TESTS_S=280 gputests n3 tests/gpu/test_engine_graphs.py tests/gpu/test_sampling_params_gpu.py tests/gpu/test_warm_up.py
+  (cd .gpu/n3 && timeout 80 python3 benchmarks/profile_step.py --model random:qwen3-0.6b --modes full_and_piecewise --batch-sizes 1,32 \
+    --sections step-kernels --label n3 --json $OUT/stepk.jsonl > /dev/null 2>>$OUT/err.txt)
+  python3 - <<'PY'
+import json, os
+for line in open(os.path.join(os.environ["OUT"], "stepk.jsonl")):
+    r = json.loads(line)
+    print(r["label"], r["batch"], "kernels", r["kernels_per_step"], "device", round(r["device_ms_per_step"], 3))
+    for n, (c, us) in list(r["by_name"].items())[-8:]:
+        print("   ", n[:60], c, us)
+PY
   ;;
 esac
 grep -iE "error|Traceback" $OUT/err.txt 2>/dev/null | tail -5
