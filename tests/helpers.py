@@ -3,6 +3,7 @@ transformers and ostinato load from the same directory."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import time
@@ -86,6 +87,15 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_tokenizer(vocab_size: int = 300) -> transformers.PreTrainedTokenizerFast:

@@ -1,19 +1,14 @@
 """benchmarks/graph_launch.py's refusals, on the CPU (it times CUDA graphs only on a GPU)."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def graph_launch():
-    path = Path(__file__).parents[1] / "benchmarks" / "graph_launch.py"
-    spec = importlib.util.spec_from_file_location("graph_launch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("graph_launch")
 
 
 @pytest.mark.parametrize(

@@ -2,24 +2,20 @@
 sessions run must not break unseen between them (its phases section once called the runner's
 logits with a signature it had lost)."""
 
-import importlib.util
+import importlib
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import load_benchmark
 
 from ostinato.engine.engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
 def profile_step():
-    path = Path(__file__).parents[1] / "benchmarks" / "profile_step.py"
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("profile_step")
 
 
 def run_on_tiny(profile_step, monkeypatch, tmp_path, *flags: str) -> list[dict]:
