@@ -340,6 +340,12 @@ PREFILL_SHAPES = (
     ("llama-3.1-8b", 32, 8, ((8, 512), (1, 2048), (1, 4096))),
     ("qwen3-0.6b", 16, 8, ((1, 512), (1, 1024), (1, 2048), (4, 512))),
 )
+# (name, query heads, KV heads, (prompts, chunk, context before it) cases): a long prompt's
+# later chunk, which reads its whole KV range from the cache (the sweep's second half)
+CHUNK_SHAPES = (
+    ("llama-3.1-8b", 32, 8, ((1, 2048, 2048), (1, 4096, 4096))),
+    ("qwen3-0.6b", 16, 8, ((1, 2048, 2048), (1, 4096, 4096))),
+)
 
 
 def prefill_variants(group: int) -> list:
@@ -354,20 +360,26 @@ def prefill_variants(group: int) -> list:
 
 
 def prefill_sweep_rows(matmul: float) -> list[list[str]]:
-    """Prefill launch configurations as the engine launches them (the new tokens' KV read from
-    k and v), in each PREFILL_SHAPES layer shape: fastest first, each as a fraction of the
-    matmul rate."""
+    """Prefill launch configurations, fastest first, each as a fraction of the matmul rate, in
+    each layer shape: fresh prompts as the engine launches them (PREFILL_SHAPES: the new
+    tokens' KV read from k and v), then later chunks of a long prompt (CHUNK_SHAPES: the KV
+    read through the block table)."""
     rows = []
-    for name, heads, kv_heads, cases in PREFILL_SHAPES:
-        pool = KVPool(blocks=32 * 8192 // BLOCK, heads=heads, kv_heads=kv_heads)
-        for batch, length in cases:
-            q_lens = [length] * batch
-            flops = prefill_flops(q_lens, heads)
-            case = f"{name} {batch} x {length}"
-            variants = prefill_variants(heads // kv_heads)
-            timed = _time_variants(pool, case, q_lens, q_lens, variants, new_kv=True)
-            rows += [[*row, f"{flops / (float(row[2]) / 1e6) / matmul:.2f}"] for row in timed]
-        del pool
+    for shapes, fresh in ((PREFILL_SHAPES, True), (CHUNK_SHAPES, False)):
+        for name, heads, kv_heads, cases in shapes:
+            pool = KVPool(blocks=32 * 8192 // BLOCK, heads=heads, kv_heads=kv_heads)
+            for batch, length, *context in cases:
+                q_lens = [length] * batch
+                seq_lens = [length + sum(context)] * batch
+                # the chunk's queries see the context whole and the chunk causally
+                flops = prefill_flops(q_lens, heads) + 4 * heads * HEAD_DIM * sum(
+                    q * (s - q) for q, s in zip(q_lens, seq_lens, strict=True)
+                )
+                case = f"{name} {batch} x {length}" + (f" after {context[0]}" if context else "")
+                variants = prefill_variants(heads // kv_heads)
+                timed = _time_variants(pool, case, q_lens, seq_lens, variants, new_kv=fresh)
+                rows += [[*row, f"{flops / (float(row[2]) / 1e6) / matmul:.2f}"] for row in timed]
+            del pool
     return rows
 
 
