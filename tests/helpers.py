@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -268,6 +271,51 @@ def assert_stopped_for_good(llm, workers) -> None:
     assert not any(p.is_alive() for p in workers)
     with pytest.raises(WorkerError, match="engine has stopped"):
         llm.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def assert_a_stopped_driver_leaves_nothing(
+    script: Path, sig: int, ready: str, start_s: float, stop_s: float = 15, children: int = 0
+) -> None:
+    """Run script (this checkout's ostinato) as a user would, wait up to start_s for it to
+    print `ready`, then send it sig: it ends within stop_s, and every process it started
+    (workers, multiprocessing's resource tracker; `children` of them where given, else at
+    least one) within 10 s more. Its stderr goes to a file beside it, quoted when it does not
+    start."""
+    # this checkout first, then what the caller's path holds (packages installed beside it)
+    path = os.pathsep.join(
+        filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])
+    )
+    log = script.with_suffix(".log")
+    with open(log, "w") as err:
+        driver = subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err, text=True,
+            cwd=script.parent, env={**os.environ, "PYTHONPATH": path}, preexec_fn=_takes_sigint,
+        )  # fmt: skip
+    try:
+        readable, _, _ = select.select([driver.stdout], [], [], start_s)
+        line = driver.stdout.readline().strip() if readable else None
+        assert line == ready, f"{script.name} printed {line!r}: {log.read_text()[-3000:]}"
+        procs = child_pids(driver.pid)
+        assert (len(procs) == children) if children else procs, procs
+        driver.send_signal(sig)
+        start = time.monotonic()
+        driver.wait(timeout=stop_s + 60)
+        assert time.monotonic() - start < stop_s
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 10
+    while any(is_alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in procs if is_alive(p)]
+
+
+def _takes_sigint() -> None:
+    """A user's Ctrl-C reaches a process that takes SIGINT. A child inherits an ignored
+    SIGINT (then Python installs no KeyboardInterrupt) and a blocked one, whatever ignored or
+    blocked it in the test process: the driver starts with neither."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 # ---- a fake engine for the paths a real model cannot trigger ------------------------------

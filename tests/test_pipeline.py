@@ -8,7 +8,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -21,10 +20,9 @@ import numpy as np
 import pytest
 import torch
 from helpers import (
+    assert_a_stopped_driver_leaves_nothing,
     assert_killing_stops_the_engine,
     assert_stopped_for_good,
-    child_pids,
-    is_alive,
     make_hf_checkpoint,
 )
 from oracle import oracle_prompts
@@ -365,41 +363,7 @@ def test_a_driver_stopped_mid_generation_leaves_no_process_behind(tmp_path, sig)
     it started (the worker, multiprocessing's resource tracker) ends with it."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    driver = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO},  # this ostinato
-        preexec_fn=_takes_sigint,
-    )  # fmt: skip
-    try:
-        assert _read_line(driver, timeout=120) == "stepping"
-        children = child_pids(driver.pid)
-        assert len(children) == 2
-        driver.send_signal(sig)
-        start = time.monotonic()
-        driver.wait(timeout=60)
-        assert time.monotonic() - start < 15
-    finally:
-        driver.kill()
-        driver.wait()
-    deadline = time.monotonic() + 10
-    while any(is_alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in children if is_alive(p)]
-
-
-def _takes_sigint() -> None:
-    """A user's Ctrl-C reaches a process that takes SIGINT. A child inherits an ignored
-    SIGINT (then Python installs no KeyboardInterrupt) and a blocked one, whatever ignored or
-    blocked it in the test process: the driver starts with neither."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """proc's next line of output, failing (not hanging) when none comes in time."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, f"no output in {timeout} s"
-    return proc.stdout.readline().strip()
+    assert_a_stopped_driver_leaves_nothing(script, sig, "stepping", start_s=120, children=2)
 
 
 # ---- the command line ----------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import make_hf_checkpoint
+from helpers import assert_a_stopped_driver_leaves_nothing, make_hf_checkpoint
 from oracle import MODES, engine, mixed_workload
 
 from ostinato import SamplingParams
@@ -112,6 +112,35 @@ def test_a_killed_stage_stops_the_engine_within_seconds(checkpoint):
         mixed_workload(llm)
     assert time.monotonic() - start < 30
     assert not worker.is_alive()
+
+
+DRIVER = """
+from ostinato import LLM, SamplingParams
+
+if __name__ == "__main__":
+    llm = LLM("random:qwen3-0.6b", tensor_parallel_size=2, cuda_graph_mode="full_and_piecewise",
+              max_model_len=4096, gpu_memory_utilization=0.3)
+    engine = llm.engine
+    for i in range(8):
+        engine.add_request([100 + i] * 16, SamplingParams(max_tokens=3000, ignore_eos=True))
+    while engine.runner.graph_report()["steps"]["full"] < 20:
+        engine.step()
+    print("replaying", flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+"""
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: signal.Signals(s).name
+)
+def test_a_driver_stopped_mid_replays_leaves_no_process_behind(tmp_path, sig):
+    """Ctrl-C, a polite kill, a hard kill of a T=2 driver while it replays FULL graphs (their
+    all-reduces inside them, its worker in the same replays): the driver ends within seconds,
+    without a hang in destroy_process_group or ncclCommAbort, and its worker with it."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    assert_a_stopped_driver_leaves_nothing(script, sig, "replaying", start_s=300, stop_s=30)
 
 
 def test_a_tensor_rank_killed_during_graph_replays_stops_the_engine_within_seconds(checkpoint):
