@@ -263,6 +263,50 @@ def test_a_host_wait_on_the_device_ends_at_its_deadline():
     deadline.wait_for(Finishing(), 5, "anything")
 
 
+class _Event:
+    """A CUDA event the device reaches (done) or never does (a replay waiting on a peer)."""
+
+    done = False
+
+    def record(self, stream) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        raise AssertionError("a host wait on the device without a deadline")
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["stuck", "drained"])
+def test_closing_a_runner_waits_on_the_device_only_until_the_deadline(monkeypatch, done):
+    """Shutdown after a rank stopped answering: the driver's stream may still wait on it in a
+    replayed all-reduce, for good. close() waits for that stream under the steps' deadline; past
+    it, the memory stays to the process's exit (freeing would wait on the device too) instead
+    of hanging the shutdown. A drained device gives its memory back."""
+    from ostinato.config import EngineConfig
+    from ostinato.loader import load_hf_config
+    from ostinato.runner import model_runner
+
+    hf_config = load_hf_config("tiny")
+    config = EngineConfig(model="tiny", **ENGINE).for_model(hf_config)
+    runner = ModelRunner(config, hf_config)
+    runner.start(16)
+    runner.device_timeout = 0.2  # as with several processes
+    freed: list[bool] = []
+    monkeypatch.setattr(EngineConfig, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "Event", type("Event", (_Event,), {"done": done}))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: _Event().synchronize())
+    monkeypatch.setattr(model_runner, "release_memory", lambda: freed.append(True))
+    start = time.monotonic()
+    runner.close()
+    waited = time.monotonic() - start
+    assert runner.model is None and runner.kv_caches == []
+    assert freed == [True] * done  # memory given back only by a drained device
+    assert (0.2 <= waited < 2) if not done else waited < 0.2
+
+
 def test_a_rank_that_stops_answering_mid_step_is_named_within_the_deadline():
     llm = LLM("tiny", tensor_parallel_size=2, distributed_timeout=5, **ENGINE)
     engine = llm.engine

@@ -33,6 +33,7 @@ from ostinato.lora.model import LoRAModel
 from ostinato.lora.slots import AdapterSlots
 from ostinato.models.base import IntermediateTensors
 from ostinato.models.llama import head_dim
+from ostinato.runner.deadline import DeviceTimeout, wait_for
 from ostinato.runner.input_buffers import InputBuffers
 from ostinato.runner.sampler import (
     PromptScores,
@@ -106,7 +107,9 @@ class ModelRunner:
         # the stage's slowest loader here, under a start-up deadline, not inside them
         tp_group().wait_for_peers(startup_timeout(config.distributed_timeout))
         # host waits on the device get a deadline when a peer may leave the device waiting
-        device_timeout = config.distributed_timeout if config.world_size > 1 else None
+        self.device_timeout = device_timeout = (
+            config.distributed_timeout if config.world_size > 1 else None
+        )
         self.lora = None
         if config.enable_lora:  # slot buffers now, so the KV sizing counts them as weights
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
@@ -231,13 +234,38 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give back every device allocation: graphs and their pool, KV cache, persistent
-        buffers, weights. The runner takes no more steps; its graph report stays readable."""
-        if self.config.is_cuda:
-            torch.cuda.synchronize(self.device)
+        buffers, weights. The runner takes no more steps; its graph report stays readable.
+        With several processes the device may wait for good on a peer that stopped answering
+        (a replayed all-reduce): past the steps' deadline the memory is left to the process's
+        exit, since freeing it would wait on the device too."""
+        drained = self._drained()
         self.graphs.close()
         self.kv_caches = []
         self.model = self.lora = self.buffers = self.intermediate = self.last_sampled = None
-        release_memory()
+        if drained:
+            release_memory()
+        else:
+            logger.warning(
+                "the device still waits on a peer after distributed_timeout=%g s: its memory "
+                "is left to this process's exit",
+                self.device_timeout,
+            )
+
+    def _drained(self) -> bool:
+        """Whether the device finished its work: every stream's with one process; with
+        several, the steps' stream's (where replayed collectives wait), within device_timeout."""
+        if not self.config.is_cuda:
+            return True
+        if self.device_timeout is None:
+            torch.cuda.synchronize(self.device)
+            return True
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        try:
+            wait_for(done, self.device_timeout, "the last steps before closing")
+        except DeviceTimeout:
+            return False
+        return True
 
     def _graph_inputs(self) -> dict[str, torch.Tensor]:
         """Every persistent buffer a graph reads: the step's, and a later stage's intermediates
