@@ -107,9 +107,7 @@ class ModelRunner:
         # the stage's slowest loader here, under a start-up deadline, not inside them
         tp_group().wait_for_peers(startup_timeout(config.distributed_timeout))
         # host waits on the device get a deadline when a peer may leave the device waiting
-        self.device_timeout = device_timeout = (
-            config.distributed_timeout if config.world_size > 1 else None
-        )
+        self.device_timeout = config.distributed_timeout if config.world_size > 1 else None
         self.lora = None
         if config.enable_lora:  # slot buffers now, so the KV sizing counts them as weights
             self.lora = LoRAModel(self.model, config.max_loras, config.max_lora_rank)
@@ -123,7 +121,7 @@ class ModelRunner:
             self.max_blocks,
             self.device,
             config.max_loras if config.enable_lora else 0,
-            device_timeout,
+            self.device_timeout,
         )
         self.intermediate = None
         if not self.rank.is_first_stage:  # received into here; graphs captured these addresses
@@ -138,7 +136,7 @@ class ModelRunner:
         self.static_bytes = (
             torch.cuda.memory_allocated() if config.is_cuda else 0
         ) - allocated_before
-        self.sampler = Sampler(device_timeout)
+        self.sampler = Sampler(self.device_timeout)
         self.last_sampled: SampledTokens | None = None  # the last step's, for placeholders
         self.held = None  # logits and rows of a step whose sampling waits for its bitmask
         self.graphs = GraphRunner(config, tp_group().agree_max)
