@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,9 @@ import triton.language as tl
 from helpers import assert_stopped_for_good, is_alive
 
 from ostinato import LLM, SamplingParams
-from ostinato.distributed import launcher, worker
+from ostinato.distributed import launcher, worker, world
 from ostinato.distributed.executor import WorkerError
+from ostinato.distributed.parallel import startup_timeout
 from ostinato.engine.engine import EngineShutdownError
 from ostinato.graphs import capture, compat
 from ostinato.kernels import variants
@@ -305,6 +307,30 @@ def test_closing_a_runner_waits_on_the_device_only_until_the_deadline(monkeypatc
     assert runner.model is None and runner.kv_caches == []
     assert freed == [True] * done  # memory given back only by a drained device
     assert (0.2 <= waited < 2) if not done else waited < 0.2
+
+
+def test_every_rank_leaves_nccl_faults_to_the_engine_unless_told_otherwise(monkeypatch):
+    """PyTorch's NCCL watchdog neither aborts a communicator nor kills the process (its
+    heartbeat monitor would, eight minutes after a timeout it saw). A setting the user made
+    stays."""
+    for name in world.NCCL_FAULT_SETTINGS:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)  # unset, and set back as it was after the test
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    with LLM("tiny", tensor_parallel_size=2, distributed_timeout=20, **ENGINE):
+        pass
+    assert os.environ["TORCH_NCCL_ENABLE_MONITORING"] == "0"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+@pytest.mark.parametrize("is_cuda", [True, False])
+def test_pytorchs_nccl_watchdog_times_out_after_the_engines_deadline(is_cuda):
+    """Over NCCL a group's timeout only feeds PyTorch's watchdog, whose timeout starts a
+    dump and an eight-minute sleep that shutdown waits for: it comes after the engine's
+    deadline, even at start-up's. gloo's timeout is the host's deadline itself."""
+    config = types.SimpleNamespace(is_cuda=is_cuda, distributed_timeout=130.0)
+    seconds = world.watchdog_timeout(config).total_seconds()
+    assert seconds >= startup_timeout(130.0) > 130.0 if is_cuda else seconds == 130.0
 
 
 def test_a_rank_that_stops_answering_mid_step_is_named_within_the_deadline():

@@ -5,11 +5,18 @@ CPUs; it carries the stage-to-stage transfers), a gloo group for control message
 timeout is long enough to idle on, and per stage a tensor-parallel group and a gloo group of
 the same ranks for agreeing on host-side decisions (graph warm-ups, dropped sizes).
 
-NCCL faults: every rank runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (unless set otherwise),
-so PyTorch's NCCL watchdog never tears a process down (SIGABRT) nor aborts a communicator
-behind the engine's back. The engine owns every abort: a host wait on the device has a
-deadline (distributed_timeout), a dead worker is seen by the launcher's watchdog, and either
-way the driver aborts its groups once (`teardown`) and stops the workers.
+NCCL faults: the engine owns every abort. A host wait on the device has a deadline
+(distributed_timeout), a dead worker is seen by the launcher's watchdog, and either way the
+driver aborts its groups once (`teardown`) and stops the workers. PyTorch's NCCL watchdog
+stays out of it. Every rank runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=0, so the watchdog never
+tears a process down (SIGABRT) nor aborts a communicator behind the engine's back. Its NCCL
+groups time out later than the engine's deadline (`watchdog_timeout`): a collective the
+watchdog sees time out signals a flight-recorder dump, after which PyTorch's heartbeat monitor
+sleeps TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (480 s) and every group's destructor waits for that
+sleep (a rank stopped with SIGSTOP held the driver that long: benchmarks/h100-2026-11-27-s35.md).
+And the monitor may not kill the process after that sleep (TORCH_NCCL_ENABLE_MONITORING=0),
+which it would do where an abort was left to the process's exit. Both settings hold unless
+set otherwise.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from ostinato.distributed.parallel import Rank, TPGroup, set_tp_group, startup_t
 from ostinato.distributed.pipeline import SampleShare
 
 logger = logging.getLogger("ostinato")
-NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # the engine aborts, not PyTorch
+# read when an NCCL group is made: the engine aborts and keeps the deadlines, not PyTorch
+NCCL_FAULT_SETTINGS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_ENABLE_MONITORING": "0"}
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # a worker waits this long for its next step
 JOINED_KEY = "ostinato/joined"  # each worker adds 1 on reaching the rendezvous
 _IGNORED_IN_AGREEMENT = ("model", "device")  # may differ between nodes (paths, device index)
@@ -93,6 +101,7 @@ def join(
     device = rank_device(config, rank)
     config = dataclasses.replace(config, device=device)
     timeout = datetime.timedelta(seconds=config.distributed_timeout)
+    group_timeout = watchdog_timeout(config)
     if meet is not None:
         _store = dist.TCPStore(
             meet.host,
@@ -108,7 +117,8 @@ def join(
             wait_for_peers(_store)
     if config.is_cuda:
         torch.cuda.set_device(device)
-    os.environ.setdefault(*NCCL_ERROR_HANDLING)  # read when the NCCL group is made, just below
+    for name, value in NCCL_FAULT_SETTINGS.items():  # unless set otherwise
+        os.environ.setdefault(name, value)
     _teardown.reset(nccl=config.is_cuda)
     dist.init_process_group(
         "nccl" if config.is_cuda else "gloo",
@@ -116,7 +126,7 @@ def join(
         store=_store if meet is not None else None,
         rank=rank,
         world_size=config.world_size,
-        timeout=timeout,
+        timeout=group_timeout,
         device_id=torch.device(device) if config.is_cuda else None,
     )
     if meet is None:
@@ -130,16 +140,25 @@ def join(
         if me.tp_size == 1:
             break
         ranks = [stage * me.tp_size + i for i in range(me.tp_size)]
-        group = dist.new_group(ranks, timeout=timeout)
+        group = dist.new_group(ranks, timeout=group_timeout)
         control_of_stage = dist.new_group(ranks, backend="gloo", timeout=agreement)
         if stage == me.pp_rank:
             tp = TPGroup(me.tp_rank, me.tp_size, group, control_of_stage)
     set_tp_group(tp)
-    samples = _sample_share(me, timeout) if config.async_scheduling else None
+    samples = _sample_share(me, group_timeout) if config.async_scheduling else None
     # NCCL creates a group's communicator at its first collective, which must not happen
     # inside a CUDA graph capture (the layers' all-reduces are captured): create it now
     tp.all_reduce(torch.zeros(1, device=device))
     return World(me, config, Channel(control), samples)
+
+
+def watchdog_timeout(config: EngineConfig) -> datetime.timedelta:
+    """The timeout of the groups on the device backend. NCCL's only feeds PyTorch's watchdog,
+    which must not see a step's collective time out before the engine's deadline aborts it
+    (see above): the start-up wait, longer than any step. gloo's timeouts end the host's
+    waits, so on CPUs it is distributed_timeout."""
+    seconds = config.distributed_timeout
+    return datetime.timedelta(seconds=startup_timeout(seconds) if config.is_cuda else seconds)
 
 
 def _sample_share(me: Rank, timeout: datetime.timedelta) -> SampleShare | None:

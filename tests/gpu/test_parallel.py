@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_a_stopped_driver_leaves_nothing, make_hf_checkpoint
+from helpers import assert_a_stopped_driver_leaves_nothing, make_hf_checkpoint, overlapped_submits
 from oracle import MODES, engine, mixed_workload
 
 from ostinato import SamplingParams
@@ -63,7 +63,8 @@ def test_two_tensor_ranks_equal_one_gpu_with_the_checker_on(checkpoint, referenc
         assert [(s["tp_rank"], s["layers"]) for s in stages] == [(0, [0, 4]), (1, [0, 4])]
         for stage in stages:
             check_steps(mode, stage["steps"])
-        assert stages[0]["steps"] == stages[1]["steps"]
+        for key in ("steps", "warmups", "dropped", "captured"):  # the ranks agreed (check 1)
+            assert stages[0][key] == stages[1][key], key
     finally:
         llm.engine.shutdown()
 
@@ -77,7 +78,8 @@ def test_two_tensor_ranks_with_lazy_capture(checkpoint, reference):
     try:
         assert mixed_workload(llm) == reference
         stages = llm.graph_report()["stages"]
-        assert stages[0]["captured"] == stages[1]["captured"]
+        for key in ("steps", "warmups", "dropped", "captured"):
+            assert stages[0][key] == stages[1][key], key
         check_steps("full_and_piecewise", stages[0]["steps"])
     finally:
         llm.engine.shutdown()
@@ -98,6 +100,35 @@ def test_two_tensor_ranks_times_two_stages_equal_one_gpu(checkpoint, reference):
         assert [(s["pp_rank"], s["tp_rank"]) for s in stages] == [(0, 0), (0, 1), (1, 0), (1, 1)]
         for stage in stages:
             check_steps("full_and_piecewise", stage["steps"])
+    finally:
+        llm.engine.shutdown()
+
+
+LAYOUTS = {
+    "P=2": {"pipeline_parallel_size": 2},
+    "T=2": {"tensor_parallel_size": 2},
+    "T=2xP=2": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("mode", ["none", "full_and_piecewise"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_async_scheduling_over_several_gpus_equals_one_gpu(checkpoint, reference, layout, mode):
+    """Async scheduling over NCCL (README check 5): the sampling rank's tokens reach the first
+    stage within the step, the driver launches the next step behind the ones in flight (a
+    batch per stage and one more), and the tokens are one GPU's, graph checker on."""
+    parallel = LAYOUTS[layout]
+    stages = parallel.get("pipeline_parallel_size", 1)
+    if stages * parallel.get("tensor_parallel_size", 1) > torch.cuda.device_count():
+        pytest.skip(f"{layout} needs more GPUs")
+    llm = engine(checkpoint, mode, async_scheduling=True, check_graphs=1, **parallel)
+    try:
+        assert llm.engine.executor.max_in_flight == stages + 1
+        submits = overlapped_submits(llm)
+        assert mixed_workload(llm) == reference
+        assert max(submits) == stages, submits  # a batch per stage, and one launched behind
+        assert submits.count(stages) > len(submits) // 2, submits
+        check_steps(mode, llm.graph_report()["stages"][0]["steps"])
     finally:
         llm.engine.shutdown()
 
@@ -143,30 +174,44 @@ def test_a_driver_stopped_mid_replays_leaves_no_process_behind(tmp_path, sig):
     assert_a_stopped_driver_leaves_nothing(script, sig, "replaying", start_s=300, stop_s=30)
 
 
-def test_a_tensor_rank_killed_during_graph_replays_stops_the_engine_within_seconds(checkpoint):
-    """The all-reduces are inside the FULL graphs: a peer that dies mid-replay leaves rank 0's
-    stream waiting on NCCL until the watchdog aborts the communicator. The engine must still
-    stop with the rank's name within seconds, and leave no worker."""
-    llm = engine(checkpoint, "full_and_piecewise", tensor_parallel_size=2)
-    worker = llm.engine.executor.workers.procs[1]
-    killed_at: list[float] = []
+# SIGKILL: the watchdog sees the death (under the default distributed_timeout of 120 s);
+# SIGSTOP: the rank is alive and its connections open, so NCCL sees no error, and only the
+# host's deadline on the step (distributed_timeout=10 here) and the stopped heartbeat tell
+LOST = {
+    "SIGKILL": (signal.SIGKILL, "was killed by SIGKILL", {}, 30),
+    "SIGSTOP": (signal.SIGSTOP, "stopped answering", {"distributed_timeout": 10}, 10 + 15),
+}
 
-    def kill_once_decoding() -> None:
+
+@pytest.mark.parametrize("how", LOST)
+def test_a_tensor_rank_lost_during_graph_replays_stops_the_engine_within_seconds(checkpoint, how):
+    """The all-reduces are inside the FULL graphs: a peer that dies or stops mid-replay leaves
+    rank 0's stream waiting on NCCL. The engine must still stop with the rank's name within
+    seconds (of the death, or of the deadline), and leave no worker."""
+    sig, error, options, within = LOST[how]
+    llm = engine(checkpoint, "full_and_piecewise", tensor_parallel_size=2, **options)
+    worker = llm.engine.executor.workers.procs[1]
+    lost_at: list[float] = []
+
+    def lose_once_decoding() -> None:
         deadline = time.monotonic() + 120
         while llm.engine.generation_tokens_total < 64 and time.monotonic() < deadline:
             time.sleep(0.01)
-        killed_at.append(time.monotonic())
-        os.kill(worker.pid, signal.SIGKILL)
+        lost_at.append(time.monotonic())
+        os.kill(worker.pid, sig)
 
-    killer = threading.Thread(target=kill_once_decoding, daemon=True)
+    killer = threading.Thread(target=lose_once_decoding, daemon=True)
     params = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
     try:
         killer.start()
-        with pytest.raises(WorkerError, match=r"stage 0, tensor rank 1 \(rank 1\) was killed"):
+        with pytest.raises(WorkerError, match=rf"stage 0, tensor rank 1 \(rank 1\) {error}"):
             llm.generate([[5, 6, 7]] * 8, params, use_tqdm=False)
-        assert time.monotonic() - killed_at[0] < 30
+        assert time.monotonic() - lost_at[0] < within
         assert llm.engine.runner.graph_report()["steps"]["full"] > 0  # rank 0's own replays
     finally:
         killer.join(5)
         llm.engine.shutdown()
-    assert not worker.is_alive()
+        left = worker.is_alive()
+        if left:  # never leave a stopped process behind the test
+            os.kill(worker.pid, signal.SIGKILL)
+    assert not left
