@@ -35,7 +35,7 @@ from ostinato.engine.engine import EngineShutdownError
 from ostinato.graphs import capture, compat
 from ostinato.kernels import variants
 from ostinato.kernels.dispatch import jit
-from ostinato.runner import deadline
+from ostinato.runner import deadline, model_runner
 from ostinato.runner.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -49,7 +49,8 @@ ENGINE = {
 }
 PROMPTS = ["Hello there", "The quick brown fox jumps", "0123456789 abcdef", "once upon"]
 LOG_DIR = "OSTINATO_TEST_COLLECTIVES"  # where each worker writes its collectives
-INJECT = "OSTINATO_TEST_OOM"  # "<capture|warmup>:<num_tokens>": out of memory on rank 1
+INJECT = "OSTINATO_TEST_OOM"  # "<capture|warmup>:<num_tokens>": out of memory on rank 1;
+# "load:<seconds>": rank 1 loads its weights that much later
 
 
 # ---- the stand-in for CUDA graphs, and the collective counter ------------------------------
@@ -112,7 +113,12 @@ class Fakes:
             def replay(self):
                 return self.forward()
 
-        forward = ModelRunner._model_forward
+        forward, load = ModelRunner._model_forward, model_runner.load_model
+
+        def late_load(*args, **kwargs):
+            if fakes.inject and fakes.inject[0] == "load":
+                time.sleep(fakes.inject[1])
+            return load(*args, **kwargs)
 
         def model_forward(runner, num_tokens: int):
             fakes.last_forward = lambda: forward(runner, num_tokens)
@@ -134,6 +140,7 @@ class Fakes:
             (compat, "RULES", tuple(r for r in compat.RULES if r.name != "cpu_device")),
             (capture, "BreakableGraph", Graph),
             (ModelRunner, "_model_forward", model_forward),
+            (model_runner, "load_model", late_load),
             (torch.cuda, "synchronize", lambda *a: None),
             (torch.cuda, "empty_cache", lambda: None),
             (torch.cuda, "mem_get_info", lambda *a: (2**30, 2**31)),
@@ -215,6 +222,20 @@ def test_two_tensor_parallel_engines_in_one_process_issue_the_same_collectives(
         # each rank dropped its graphs before destroying its groups (else NCCL waits forever)
         worker_destroys = json.loads((tmp_path / f"destroy1-{pid}.json").read_text())
         assert faked.graphs_at_destroy[-1:] == worker_destroys == [0], f"engine {engine}"
+
+
+def test_a_rank_that_loads_later_than_the_deadline_still_starts(faked, monkeypatch, reference):
+    """README check 4: rank 1 loads its weights 7 s after rank 0, more than twice
+    distributed_timeout. The stage waits for it at the start-up barrier under the start-up
+    wait, and the engine gives one process's tokens. (Without the barrier a CPU engine
+    starts too: its first collective after loading is the warm-up agreement, also under the
+    start-up wait; on a GPU it is the KV sizing's step, under the step's deadline.)"""
+    monkeypatch.setenv(INJECT, "load:7")
+    llm = LLM("tiny", tensor_parallel_size=2, distributed_timeout=3, **ENGINE)
+    try:
+        assert generate(llm) == reference
+    finally:
+        llm.engine.shutdown()
 
 
 def test_out_of_memory_in_one_ranks_capture_drops_the_size_on_every_rank(
