@@ -43,14 +43,19 @@ info() {
   git log -1 --format='commit %H %cd' 2>/dev/null || echo "commit (no git on device)"
 }
 
+wheels() {  # the runtime packages the GPU image lacks (llguidance, pyzmq, msgspec, fastapi,
+  # uvicorn) and py-spy, from the wheels carried in .whl (WHEELS to point elsewhere)
+  python3 -c "import fastapi, uvicorn, zmq, msgspec, llguidance" 2>/dev/null && [ -x /tmp/site/bin/py-spy ] ||
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+}
+
 case "$stage" in
 triage)  # a session's first call (~6 min): the kernel and prefill GPU tests, prefill per graph
   # mode at the host-bound sizes, decode per mode, and a host profile (cProfile, top functions
   # by own time) of batch-32 decode with every request under a JSON schema and without
   info | tee "$OUT/env.txt"
-  python3 -c "import llguidance" 2>/dev/null ||
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  wheels
   q=random:qwen3-0.6b
   timeout 200 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_prefill_graphs.py -q \
     -p no:cacheprovider -o addopts="" -rs --maxfail=6 2>&1 | tee "$OUT/triage-tests.log" | tail -n 15
@@ -125,14 +130,13 @@ fp8dot)  # OFF_TREE (~8 min): the FP8 small-batch kernel's FP8 x FP8 dot rows: t
   ;;
 verify-tests)  # every GPU test in one run (about 9 minutes on an H100), the log whole
   info | tee "$OUT/env.txt"
+  wheels
   timeout "${TESTS_S:-570}" python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" -rs \
     --durations=15 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 40
   ;;
 verify-bench)  # the benches of issues 17-21 on random weights, each under its own limit (~9 min)
   info | tee "$OUT/env.txt"
-  python3 -c "import fastapi, uvicorn, zmq, msgspec, llguidance" 2>/dev/null ||
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site "${WHEELS:-.whl}"/*.whl
-  export PYTHONPATH=$PYTHONPATH:/tmp/site
+  wheels
   q=random:qwen3-0.6b
   b() { timeout "$1" python3 -m ostinato.cli bench "${@:2}" --json 2>>"$OUT/bench.err"; }
   b 100 prefill --model $q --iters 3 --no-prefix-caching --cuda-graph-mode none,full_and_piecewise \
@@ -196,6 +200,7 @@ diag)  # where the missed targets lose their time (~6 min): FP8 against its roun
   ;;
 tests)
   info | tee "$OUT/env.txt"
+  wheels
   python3 -m pytest tests/gpu --maxfail=8 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/gpu-tests.log"
   ;;
 kernels)
@@ -266,14 +271,17 @@ moe-bench)  # issue 21's targets, side by side: llama-3.1-8b bf16 vs --quantizat
   ;;
 parallel)  # two GPUs (nvidia-h200-x2): parallel tests, then P=1 vs P=2 vs T=2 on one machine
   info | tee "$OUT/env.txt"
+  wheels
   nvidia-smi topo -m | tee "$OUT/topology.txt"
   python3 -m pytest tests/gpu/test_parallel.py --maxfail=4 -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee "$OUT/parallel-tests.log"
   ;;
 hang)  # two GPUs: parallel tests (K, a -k expression; stops at the first failure) under a
-  # watch; after WAIT s still running, every process's Python stacks (py-spy from .whl where
-  # ptrace is allowed; faulthandler on SIGABRT) and the GPUs' state go to $OUT, then the tree
-  # is killed
+  # watch; after WAIT s still running, every process's Python and native stacks (py-spy from
+  # .whl where ptrace is allowed; faulthandler on SIGABRT, in hang.log) and the GPUs' state go
+  # to one file, $OUT/stacks.txt (the device tool brings back eight files at most), then the
+  # tree is killed
   info | tee "$OUT/env.txt"
+  wheels
   export PYTHONFAULTHANDLER=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   python3 -m pytest -s -x tests/gpu/test_parallel.py -k "${K:-tensor_ranks_equal and piecewise and not full}" \
     -p no:cacheprovider -o addopts="" -rs -v --durations=0 >"$OUT/hang.log" 2>&1 &
@@ -282,11 +290,10 @@ hang)  # two GPUs: parallel tests (K, a -k expression; stops at the first failur
   if kill -0 "$root" 2>/dev/null; then
     tree() { echo "$1"; for c in $(ps -o pid= --ppid "$1"); do tree "$c"; done; }
     pids=$(tree "$root")
-    ps -o pid,ppid,etime,time,stat,args -p "$(echo $pids | tr ' ' ,)" >"$OUT/ps.txt"
-    nvidia-smi >"$OUT/smi.txt" 2>&1
-    spy=$(ls /tmp/site/bin/py-spy 2>/dev/null)
+    ps -o pid,ppid,etime,time,stat,args -p "$(echo $pids | tr ' ' ,)" >"$OUT/stacks.txt"
+    nvidia-smi >>"$OUT/stacks.txt" 2>&1
     for p in $pids; do
-      [ -n "$spy" ] && timeout 20 "$spy" dump --pid "$p" --locals >"$OUT/spy-$p.txt" 2>&1
+      timeout 20 /tmp/site/bin/py-spy dump --pid "$p" --native >>"$OUT/stacks.txt" 2>&1
       kill -ABRT "$p" 2>/dev/null
     done
     sleep 5; for p in $pids; do kill -9 "$p" 2>/dev/null; done
