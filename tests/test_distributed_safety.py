@@ -49,8 +49,8 @@ ENGINE = {
 }
 PROMPTS = ["Hello there", "The quick brown fox jumps", "0123456789 abcdef", "once upon"]
 LOG_DIR = "OSTINATO_TEST_COLLECTIVES"  # where each worker writes its collectives
-INJECT = "OSTINATO_TEST_OOM"  # "<capture|warmup>:<num_tokens>": out of memory on rank 1;
-# "load:<seconds>": rank 1 loads its weights that much later
+INJECT = "OSTINATO_TEST_FAULT"  # on rank 1: "<capture|warmup>:<num_tokens>", out of memory;
+# "load:<seconds>", its weights loaded that much later
 
 
 # ---- the stand-in for CUDA graphs, and the collective counter ------------------------------
