@@ -1,6 +1,7 @@
 """On two GPUs with NCCL: pipeline stages and tensor ranks (all-reduces captured inside the
 graphs) in every mode equal one GPU; faults."""
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -12,7 +13,9 @@ from helpers import assert_a_stopped_driver_leaves_nothing, make_hf_checkpoint, 
 from oracle import MODES, engine, mixed_workload
 
 from ostinato import SamplingParams
+from ostinato.distributed import launcher, worker
 from ostinato.distributed.executor import WorkerError
+from ostinato.runner import model_runner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -215,3 +218,59 @@ def test_a_tensor_rank_lost_during_graph_replays_stops_the_engine_within_seconds
         if left:  # never leave a stopped process behind the test
             os.kill(worker.pid, signal.SIGKILL)
     assert not left
+
+
+def test_a_tensor_rank_killed_during_shutdown_leaves_nothing(checkpoint, reference, monkeypatch):
+    """README check 3, second half: after FULL replays (NCCL's communicators captured in the
+    graphs), rank 1 is killed while shutdown() waits for the workers to take their Shutdown
+    message. shutdown returns within seconds, without a hang in destroy_process_group or
+    ncclCommAbort, the engine names the rank, and no process is left."""
+    llm = engine(checkpoint, "full_and_piecewise", tensor_parallel_size=2)
+    core = llm.engine
+    assert mixed_workload(llm) == reference
+    assert core.runner.graph_report()["steps"]["full"] > 0
+    channel = core.executor.world.channel
+    victim = core.executor.workers.procs[1]
+    flush = channel.flush
+
+    def killing_flush(*args, **kwargs):
+        os.kill(victim.pid, signal.SIGKILL)
+        time.sleep(0.5)  # the watchdog sees the death while shutdown is still here
+        return flush(*args, **kwargs)
+
+    monkeypatch.setattr(channel, "flush", killing_flush)
+    start = time.monotonic()
+    core.shutdown()
+    assert time.monotonic() - start < 30
+    assert "stage 0, tensor rank 1 (rank 1) was killed by SIGKILL" in core.failed
+    assert not victim.is_alive() and not multiprocessing.active_children()
+
+
+LATE_S = 10  # rank 1 loads its weights this much later than rank 0
+
+
+def late_loading_worker(rank, config, meet, parent) -> None:
+    """A spawned worker that, on rank 1, loads its weights LATE_S seconds late."""
+    if rank == 1:
+        load = model_runner.load_model
+
+        def late_load(*args, **kwargs):
+            time.sleep(LATE_S)
+            return load(*args, **kwargs)
+
+        model_runner.load_model = late_load
+    worker.worker_main(rank, config, meet, parent)
+
+
+def test_a_rank_that_loads_later_than_the_deadline_still_starts(checkpoint, reference, monkeypatch):
+    """README check 4 on NCCL: rank 1 loads 10 s late, more than twice distributed_timeout
+    (4 s). Its first collectives (the start-up barrier, then the KV sizing's step) wait under
+    the start-up wait, so the engine starts and gives one GPU's tokens."""
+    monkeypatch.setattr(launcher, "worker_main", late_loading_worker)
+    start = time.monotonic()
+    llm = engine(checkpoint, "full_and_piecewise", tensor_parallel_size=2, distributed_timeout=4)
+    try:
+        assert time.monotonic() - start > LATE_S  # rank 1 was late, and was waited for
+        assert mixed_workload(llm) == reference
+    finally:
+        llm.engine.shutdown()
