@@ -968,14 +968,17 @@ LAYER_PROJECTIONS = {  # model: projection -> (weight rows, K, its fusion in a f
 }
 
 
-def _gemv_configs(m: int, n_out: int, k: int, silu: bool, sms: int) -> list:
-    """gemv_config's choice first, then tl.dot tiles of 32 and 128 weight rows (each with
-    its own split); at one row also the 64-row tile, which the 2-16 row launches compile.
-    One row of a weight that one_row_pays refuses: tl.dot only (the engine never runs FMAs
-    there)."""
-    dot = [gemv_module.dot_config(m, n_out, k, block_n, 64, 2, sms) for block_n in (64, 32, 128)]
+# tl.dot tiles timed beside gemv_config's: (weight rows a program, K chunk, swapped)
+GEMV_DOT_TILES = ((64, 128, True), (128, 128, True), (64, 64, False), (32, 64, False))
+
+
+def _gemv_configs(m: int, n_out: int, k: int, silu: bool, normed: bool, sms: int) -> list:
+    """gemv_config's choice first, then the GEMV_DOT_TILES (each with its own split); at one
+    row they are what the 2-16 row launches compile. One row of a weight that one_row_pays
+    refuses: tl.dot only (the engine never runs FMAs there)."""
+    dot = [gemv_module.dot_config(m, n_out, k, *tile, 2, sms) for tile in GEMV_DOT_TILES]
     fma = m > 1 or gemv_module.one_row_pays(n_out * 2 if silu else n_out, k)
-    first = [gemv_module.gemv_config(m, n_out, k, 2, sms)] if fma else []
+    first = [gemv_module.gemv_config(m, n_out, k, 2, sms, normed)] if fma else []
     return list(dict.fromkeys([*first, *dot]))
 
 
@@ -1001,7 +1004,7 @@ def gemv_by_rows(copy_bw: float) -> tuple[list[list[str]], list[list[str]]]:
             for m in GEMV_ROWS:
                 case = _ProjectionCase(m, n, k, silu, normed, weights, norm_w)
                 timed = []
-                for config in _gemv_configs(m, n_out, k, silu, sms):
+                for config in _gemv_configs(m, n_out, k, silu, normed, sms):
                     try:
                         seconds = graph_seconds(case.ours(config))
                     except Exception as error:  # a configuration the compiler rejects
@@ -1155,7 +1158,8 @@ def fp8_row_sweep_rows(copy_bw: float) -> list[list[str]]:
 def _gemv_short(config) -> str:
     if config.rows == 1:
         return f"fma, {config.block_n} x {config.block_k}"
-    return f"dot {config.rows} rows, {config.block_n} x {config.block_k}, split {config.split}"
+    kind = "swapped dot" if config.swap else "dot"
+    return f"{kind} {config.rows} rows, {config.block_n} x {config.block_k}, split {config.split}"
 
 
 GEMV_SHAPES = {  # name: (weight rows, K, gate|up with SiLU)

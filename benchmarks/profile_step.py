@@ -476,10 +476,12 @@ def main() -> None:
     if args.no_fuse:
         importlib.import_module("ostinato.layers.linear").FUSE = False
     gemv = importlib.import_module("ostinato.kernels.gemv")
-    if args.gemv_rows is not None:
-        gemv.ROW_LIMITS = tuple((elements, args.gemv_rows) for elements, _ in gemv.ROW_LIMITS)
-    if args.no_gemv:
-        gemv.ROW_LIMITS = ()
+    for table in ("ROW_LIMITS", "PLAIN_ROW_LIMITS"):
+        if args.gemv_rows is not None:
+            limits = tuple((elements, args.gemv_rows) for elements, _ in getattr(gemv, table))
+            setattr(gemv, table, limits)
+        if args.no_gemv:
+            setattr(gemv, table, ())
     sections = set(args.sections.split(","))
     lengths = [int(n) for n in args.prefill_lengths.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -139,6 +139,8 @@ def test_gemv_adds_the_residual_in_its_epilogue(rows, silu, dtype):
         (20, 45, 300, GemvConfig(16, 16, 32, 320, 1, 4, 4)),  # two row blocks, no split
         (20, 48, 256, GemvConfig(16, 16, 32, 64, 4, 4, 4)),  # both; every tile whole (EVEN)
         (40, 32, 96, GemvConfig(32, 16, 32, 32, 3, 4, 4)),  # two blocks of 32 rows, 3 splits
+        (3, 45, 300, GemvConfig(16, 16, 32, 96, 4, 4, 4, swap=True)),  # the same, swapped
+        (40, 32, 96, GemvConfig(32, 16, 32, 32, 3, 4, 4, swap=True)),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -176,8 +178,10 @@ def test_gemv_config_splits_narrow_weights_only():
     assert narrow.split > 1 and narrow.span % narrow.block_k == 0
     assert (narrow.split - 1) * narrow.span < 3072 <= narrow.split * narrow.span
     qkv = gemv_config(8, 6144, 4096, 2, 132)  # llama-3.1-8b: 96 tiles of 64 rows, 48 of 128
-    assert dot_config(8, 6144, 4096, 128, 64, 2, 132).split > qkv.split > 1
+    assert dot_config(8, 6144, 4096, 128, 128, True, 2, 132).split > qkv.split > 1
     assert gemv_config(8, 1024, 3072, 4, 132).num_stages < narrow.num_stages  # float32
+    # the product swapped where no norm prologue makes x in registers (DOT_TILE's docs)
+    assert narrow.swap and not gemv_config(8, 1024, 3072, 2, 132, normed=True).swap
 
 
 def test_engine_takes_the_kernel_up_to_the_row_limits(monkeypatch):
@@ -185,20 +189,24 @@ def test_engine_takes_the_kernel_up_to_the_row_limits(monkeypatch):
     a weight larger than every entry takes none; one row only up to MAX_K columns and
     MAX_WEIGHT_ELEMENTS. As measured: llama-3.1-8b's gate|up and down take it at one row."""
     assert rows_pay(1, 2 * 14336, 4096) and rows_pay(1, 4096, 14336)
-    assert not rows_pay(2, 4096, 14336)
-    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 20, 32), (1 << 24, 4)))
-    assert rows_pay(32, 1024, 1024) and not rows_pay(33, 1024, 1024)
-    assert rows_pay(4, 1024, 2048) and not rows_pay(5, 1024, 2048)
-    assert not rows_pay(1, 4096, 8192)  # over every entry
-    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ((1 << 40, 8),))
-    max_k, most = gemv_module.MAX_K, gemv_module.MAX_WEIGHT_ELEMENTS
-    assert rows_pay(1, 1024, max_k) and not rows_pay(1, 1024, max_k + 1)  # MAX_K: one row only
-    assert rows_pay(2, 1024, max_k + 1)
-    n = most // 4096
-    assert rows_pay(1, n, 4096) and not rows_pay(1, n + 1, 4096)  # MAX_WEIGHT_ELEMENTS
-    assert rows_pay(8, n + 1, 4096)
-    monkeypatch.setattr(gemv_module, "ROW_LIMITS", ())
-    assert not rows_pay(1, 64, 64)
+    assert not rows_pay(2, 4096, 14336) and not rows_pay(2, 4096, 14336, normed=True)
+    # as measured: qwen3-0.6b's down (3M elements) at 32 rows without a norm, 8 with one
+    assert rows_pay(32, 1024, 3072) and not rows_pay(33, 1024, 3072)
+    assert rows_pay(8, 1024, 3072, normed=True) and not rows_pay(9, 1024, 3072, normed=True)
+    for table, normed in (("ROW_LIMITS", True), ("PLAIN_ROW_LIMITS", False)):
+        monkeypatch.setattr(gemv_module, table, ((1 << 20, 32), (1 << 24, 4)))
+        assert rows_pay(32, 1024, 1024, normed) and not rows_pay(33, 1024, 1024, normed)
+        assert rows_pay(4, 1024, 2048, normed) and not rows_pay(5, 1024, 2048, normed)
+        assert not rows_pay(1, 4096, 8192, normed)  # over every entry
+        monkeypatch.setattr(gemv_module, table, ((1 << 40, 8),))
+        max_k, most = gemv_module.MAX_K, gemv_module.MAX_WEIGHT_ELEMENTS
+        assert rows_pay(1, 1024, max_k, normed) and not rows_pay(1, 1024, max_k + 1, normed)
+        assert rows_pay(2, 1024, max_k + 1, normed)  # MAX_K: one row only
+        n = most // 4096
+        assert rows_pay(1, n, 4096, normed) and not rows_pay(1, n + 1, 4096, normed)
+        assert rows_pay(8, n + 1, 4096, normed)  # MAX_WEIGHT_ELEMENTS: one row only
+        monkeypatch.setattr(gemv_module, table, ())
+        assert not rows_pay(1, 64, 64, normed)
 
 
 def test_gemv_is_for_cuda_tensors_only():

@@ -132,12 +132,15 @@ def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, m
     share one stream."""
     hf, model, kv, seqs, want = prefilled(arch, tmp_path, lens)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fused = []  # the projections of the layers (the LM head would only slow the interpreter)
-    pays = lambda x, w: w.shape[0] != hf.config.vocab_size and not fused.append(w.shape)  # noqa: E731
+    fused = []  # the layers' projections (the LM head would only slow the interpreter)
+    pays = lambda x, w, normed=False: (  # noqa: E731
+        w.shape[0] != hf.config.vocab_size and not fused.append(normed)
+    )
     monkeypatch.setattr(linear_module, "gemv_pays", pays)
     positions, meta = step_metadata(lens, [1] * len(lens))
     got = run(model, kv, torch.cat([s[-1:] for s in seqs]), positions, meta)
-    assert len(fused) >= 4 * hf.config.num_hidden_layers
+    # asked with their prologue: qkv and gate|up after a norm, o and down before an add
+    assert fused.count(True) == fused.count(False) == 2 * hf.config.num_hidden_layers
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -178,7 +181,7 @@ def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
     once a projection), and still follows the FUSE switch and an FP8 weight."""
     asked = []
     monkeypatch.setattr(
-        linear_module, "gemv_pays", lambda x, w: not asked.append(x.shape) and x.dtype == w.dtype
+        linear_module, "gemv_pays", lambda x, w, n: not asked.append(x.shape) and x.dtype == w.dtype
     )
     proj = linear_module.Linear(8, 4)
     one, two = torch.zeros(1, 8), torch.zeros(2, 8)
@@ -199,7 +202,7 @@ def test_a_projection_plan_follows_the_input_layout_and_a_new_weight(monkeypatch
     row stride) and a replaced weight of another layout each get their own, checked against
     float64 math (two rows: the tl.dot kernel, which reads both row strides)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w: x.dtype == w.dtype)
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, n: x.dtype == w.dtype)
     proj = linear_module.Linear(16, 32)
     proj.weight.data.copy_(torch.randn(32, 16))
     residual = torch.randn(2, 32)
@@ -223,7 +226,7 @@ def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
     whole, first, last = load(path), load(path, (0, 1)), load(path, (1, 2))
     vocab = whole.config.vocab_size
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w: w.shape[0] != vocab)
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, *_: w.shape[0] != vocab)
     input_ids = torch.randint(0, vocab, (1,))
     positions, meta = step_metadata([0], [1])
     want = run(whole, kv_caches(whole.config), input_ids, positions, meta)

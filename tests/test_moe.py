@@ -138,7 +138,9 @@ def test_a_router_that_normalises_for_the_experts_equals_the_norm_kernel_first(
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fused = []
-    pays = lambda x, w: fused.append(x.shape) or gemv_module.rows_pay(x.shape[0], *w.shape)
+    pays = lambda x, w, normed=False: (  # the router is asked with its norm prologue
+        fused.append((*x.shape, normed)) or gemv_module.rows_pay(x.shape[0], *w.shape, normed)
+    )
     monkeypatch.setattr(moe_layer, "gemv_pays", pays)
     torch.manual_seed(0)
     block = SparseMoeBlock(48, num_experts=6, top_k=2, intermediate_size=32, renormalize=True)
@@ -148,7 +150,7 @@ def test_a_router_that_normalises_for_the_experts_equals_the_norm_kernel_first(
     x = torch.randn(tokens, 48)
     residual = torch.randn(tokens, 48) if with_residual else None
     out, stream = block(x, residual, norm)
-    assert fused == [(tokens, 48)]
+    assert fused == [(tokens, 48, True)]
     expected_stream = x if residual is None else x + residual
     torch.testing.assert_close(stream, expected_stream)
     torch.testing.assert_close(out, block(norm(expected_stream)), rtol=1e-4, atol=1e-4)

@@ -49,33 +49,48 @@ from ostinato.kernels.small_batch import (
 
 # The most rows of x that take the kernel, by weight size: entries (weight elements at most,
 # rows at most) by increasing size, the first that holds the weight decides; a weight larger
-# than every entry takes cuBLAS. On the H100 (`bench_kernels.py --sections gemv-rows`,
-# benchmarks/h100-2026-11-25-s18.md) tl.dot beat cuBLAS and the separate kernels at 2-16 rows
-# only for weights of at most 3M elements (qwen3-0.6b's o and down, 1.14-1.32x), and lost for
-# larger ones (0.77-0.99x) and at 32 rows everywhere; in qwen3-0.6b's decode step it took
-# 10-17% off at batch 2-8 and nothing at 16 (benchmarks/h100-2026-11-26-s19.md). One row (FMAs,
-# in gemv_config's launch) reads at 1.00-1.13x the copy floor up to llama-3.1-8b's MLP, the
+# than every entry takes cuBLAS. ROW_LIMITS holds for a projection with the norm in its
+# prologue (tl.dot on x as stored: NORMED_DOT_TILE), PLAIN_ROW_LIMITS for one without (the
+# swapped tl.dot: DOT_TILE). On the H100 (`bench_kernels.py --sections gemv-rows`,
+# benchmarks/h100-2026-11-25-s18.md) the normed tl.dot beat cuBLAS and the separate kernels at
+# 2-16 rows only for weights of at most 3M elements, and lost for larger ones (0.77-0.99x) and
+# at 32 rows everywhere; in qwen3-0.6b's decode step it took 10-17% off at batch 2-8 and nothing
+# at 16 (benchmarks/h100-2026-11-26-s19.md). The swapped one (benchmarks/h100-2026-11-27-s36.md)
+# beats cuBLAS at 2-32 rows on qwen3-0.6b's o and down (1.09-1.45x); llama-3.1-8b's o gained
+# 7-10% at 2-16 rows and lost at 32, its down 2-4%: left to cuBLAS, as is every larger weight
+# this bench does not time without a norm (a plain qkv or gate|up). One row (FMAs, in
+# gemv_config's launch) reads at 1.00-1.13x the copy floor up to llama-3.1-8b's MLP, the
 # largest weights measured, where the unfused path (norm, cuBLAS, SiLU) takes 1.09-1.13x longer
 # (gate|up, 117M elements: 77.5 against 88.0 us; down, K = 14336: 40.3 against 43.9;
 # benchmarks/h100-2026-11-26-s27.md): MAX_K and MAX_WEIGHT_ELEMENTS are those measured bounds.
 MAX_K = 14336
 MAX_WEIGHT_ELEMENTS = 28672 * 4096
 ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 8), (MAX_WEIGHT_ELEMENTS, 1))
+PLAIN_ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 32), (MAX_WEIGHT_ELEMENTS, 1))
 DOT_ROWS = 2  # from here the rows go through tl.dot
+# The tl.dot rows' tiles: weight rows a program, K columns a chunk, and whether the product
+# runs swapped (weight tile @ x.T: on Hopper a wgmma with the weight rows on its M side, where
+# x @ w.T pads x's rows to the M side of an mma.sync). Swapped, x goes to the tensor cores from
+# shared memory, which a norm prologue's rows, made in registers, must pass through each chunk:
+# with a norm the swapped 64 x 128 took 1.2-1.3x the unswapped 64 x 64 (qwen3-0.6b's qkv and
+# gate|up at 2-16 rows); without, 0.87-0.96x (o, down), all on the H100
+# (benchmarks/h100-2026-11-27-s36.md).
+DOT_TILE = (64, 128, True)
+NORMED_DOT_TILE = (64, 64, False)
 
 
-def max_rows(weight_elements: int) -> int:
+def max_rows(weight_elements: int, normed: bool = False) -> int:
     """The most rows of x that take the kernel for a weight of this many elements."""
-    for elements, rows in ROW_LIMITS:
+    for elements, rows in ROW_LIMITS if normed else PLAIN_ROW_LIMITS:
         if weight_elements <= elements:
             return rows
     return 0
 
 
-def rows_pay(rows: int, n: int, k: int) -> bool:
-    """Whether `rows` rows of x times an [n, k] weight take the kernel (ROW_LIMITS; one row
-    only where one_row_pays)."""
-    return rows <= max_rows(n * k) and (rows != 1 or one_row_pays(n, k))
+def rows_pay(rows: int, n: int, k: int, normed: bool = False) -> bool:
+    """Whether `rows` rows of x times an [n, k] weight take the kernel, with the norm in its
+    prologue or without (ROW_LIMITS, PLAIN_ROW_LIMITS; one row only where one_row_pays)."""
+    return rows <= max_rows(n * k, normed) and (rows != 1 or one_row_pays(n, k))
 
 
 def one_row_pays(n: int, k: int) -> bool:
@@ -83,14 +98,15 @@ def one_row_pays(n: int, k: int) -> bool:
     return k <= MAX_K and n * k <= MAX_WEIGHT_ELEMENTS
 
 
-def gemv_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this projection takes the kernel (rows_pay). Shapes alone decide, so a graph's
-    eager warm-up launches the kernels its capture will (graphs/capture.py relies on that)."""
+def gemv_pays(x: torch.Tensor, weight: torch.Tensor, normed: bool = False) -> bool:
+    """Whether this projection takes the kernel (rows_pay), normed: with a norm prologue.
+    Shapes alone decide, so a graph's eager warm-up launches the kernels its capture will
+    (graphs/capture.py relies on that)."""
     return (
         x.is_cuda
         and x.dim() == 2
         and x.dtype == weight.dtype
-        and rows_pay(x.shape[0], *weight.shape)
+        and rows_pay(x.shape[0], *weight.shape, normed)
     )
 
 
@@ -147,9 +163,11 @@ def gemv_normed_torch(
     return (y, stream, normed) if normed_out else (y, stream)
 
 
-def gemv_config(m: int, n_out: int, k: int, itemsize: int, sms: int) -> GemvConfig:
+def gemv_config(
+    m: int, n_out: int, k: int, itemsize: int, sms: int, normed: bool = False
+) -> GemvConfig:
     """The launch configuration for m rows of x and n_out output columns (gate|up: its gate
-    rows) over K, from shapes alone (fixed under a graph).
+    rows) over K, normed: with a norm prologue; from shapes alone (fixed under a graph).
 
     One row: K in chunks of up to 2048 columns, unrolled so all their loads issue at once, 8
     warps, and 16 weight rows a program for K up to 1024, 4 above. The H100 sweep
@@ -157,27 +175,28 @@ def gemv_config(m: int, n_out: int, k: int, itemsize: int, sms: int) -> GemvConf
     these 1.1-2x ahead of the chunks of 512 and rows for about 512 programs used before, on
     qwen3-0.6b's, qwen3-30b-a3b's and llama-3.1-8b's projections: fewer, longer chunks keep
     more bytes in flight per program.
-    More rows: tl.dot on x padded to 16 or 32 rows, 64 weight rows a program in chunks of 64
-    columns (8 KB of bf16, a pipeline of 4), and K split until there are about two programs
-    per SM, each split at least 4 chunks so the pipeline fills and the fp32 partials stay
-    small beside the weights; as the FP8 kernel, whose chunks are as many bytes. float32
-    weights keep a pipeline of 2 (their tiles take twice the shared memory)."""
+    More rows: tl.dot on x padded to 16 or 32 rows, DOT_TILE's (with a norm NORMED_DOT_TILE's)
+    weight rows a program in its chunks of columns (a pipeline of 4), and K split until there
+    are about two programs per SM, each split at least 4 chunks so the pipeline fills and the
+    fp32 partials stay small beside the weights. float32 weights keep a pipeline of 2 (their
+    tiles take twice the shared memory)."""
     if m < DOT_ROWS:
         block_k = min(2048, triton.next_power_of_2(k))
         block_n = min(16 if block_k <= 1024 else 4, triton.next_power_of_2(n_out))
         return GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, 8, 1)
-    return dot_config(m, n_out, k, 64, 64, itemsize, sms)
+    return dot_config(m, n_out, k, *(NORMED_DOT_TILE if normed else DOT_TILE), itemsize, sms)
 
 
 def dot_config(
-    m: int, n_out: int, k: int, block_n: int, block_k: int, itemsize: int, sms: int
+    m: int, n_out: int, k: int, block_n: int, block_k: int, swap: bool, itemsize: int, sms: int
 ) -> GemvConfig:
     """gemv_config's tl.dot configuration for a given tile (benchmarks time several)."""
     rows = 16 if m <= 16 else 32
     tiles = triton.cdiv(n_out, block_n) * triton.cdiv(m, rows)
     split = max(1, min(2 * sms // tiles, k // (4 * block_k)))
     span, split = split_span(k, block_k, split, tiles)
-    return GemvConfig(rows, block_n, block_k, span, split, 4, 4 if itemsize <= 2 else 2)
+    stages = 4 if itemsize <= 2 else 2
+    return GemvConfig(rows, block_n, block_k, span, split, 4, stages, swap=swap)
 
 
 @jit
@@ -276,12 +295,13 @@ def _gemv_row_kernel(
 
 
 @jit
-def _dot(x, w, acc, F32_DOT: tl.constexpr):
-    """acc + x @ w.T; F32_DOT: in float32 (float32 models; the interpreter, whose bfloat16
-    dot is wrong)."""
+def _dot(x, w, acc, F32_DOT: tl.constexpr, SWAP: tl.constexpr):
+    """acc + x @ w.T, or with SWAP its transpose acc + w @ x.T; F32_DOT: in float32 (float32
+    models; the interpreter, whose bfloat16 dot is wrong)."""
+    a, b = (w, x) if SWAP else (x, w)  # one product below: the compiler visits every return
     if F32_DOT:
-        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(x, tl.trans(w), acc)
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
 
 
 @jit(do_not_specialize=["M"])  # one compiled kernel serves every batch of the same padding
@@ -291,7 +311,7 @@ def _gemv_dot_kernel(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr,
     ADD_OUT: tl.constexpr, NORM_OUT: tl.constexpr, F32_DOT: tl.constexpr, EVEN: tl.constexpr,
-    PDL: tl.constexpr,
+    SWAP: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows of x (from program_id(2) * ROWS; rows from M on masked to 0) times BLOCK_N
     weight rows (program_id(0)) over `span` columns of K (program_id(1) of SPLIT): tl.dot of
@@ -301,7 +321,9 @@ def _gemv_dot_kernel(
     chunk, rounded as the unfused norm stores it, by the rows' 1/rms from a first pass over
     the whole rows (every split needs all of K for it); with NORM_OUT the programs of column
     tile 0 store the normalised rows at normed_ptr (rows stride_sm apart, as the sum's). With
-    ADD_OUT, res_ptr's rows are added to the output. EVEN: no masks on the weights.
+    ADD_OUT, res_ptr's rows are added to the output. EVEN: no masks on the weights. SWAP: the
+    products accumulate transposed, weight tile @ x.T, so the weight rows fill the tensor
+    cores' M side (Hopper's wgmma; x's few rows on the N side) instead of x's rows padded there.
 
     SPLIT > 1: each program stores its fp32 partials in part_ptr [SPLIT, M, stride_pm] (the
     products at their weight rows' columns) and counts itself in sem_ptr; the last of a tile's
@@ -329,8 +351,8 @@ def _gemv_dot_kernel(
             xf = xf.to(tl.float32)
             squares += xf * xf
         rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
-    gate = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    up = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    gate = tl.zeros([BLOCK_N, ROWS], tl.float32) if SWAP else tl.zeros([ROWS, BLOCK_N], tl.float32)
+    up = tl.zeros_like(gate)
     k_lo = split * span
     for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
         kk = k0 + k
@@ -344,10 +366,12 @@ def _gemv_dot_kernel(
             xc = (xc.to(tl.float32) * rstd * g[None, :]).to(x_ptr.dtype.element_ty)
             if NORM_OUT:
                 tl.store(normed_ptr + rows[:, None] * stride_sm + kk[None, :], xc, mask=stored)
-        gate = _dot(xc, load_weights(w_rows, kk, col_ok, K, EVEN), gate, F32_DOT)
+        gate = _dot(xc, load_weights(w_rows, kk, col_ok, K, EVEN), gate, F32_DOT, SWAP)
         if SILU:
             u = load_weights(w_rows + n_out * stride_wn, kk, col_ok, K, EVEN)
-            up = _dot(xc, u, up, F32_DOT)
+            up = _dot(xc, u, up, F32_DOT, SWAP)
+    if SWAP:
+        gate, up = tl.trans(gate), tl.trans(up)
     if SPLIT > 1:
         ok = row_ok[:, None] & col_ok[None, :]
         step = M * stride_pm  # from one split's partials to the next
@@ -393,7 +417,7 @@ class GemvPlan:
         assert norm or not normed_out
         assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
         assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
-        config = config or gemv_config(m, n_out, k, x.element_size(), num_sms(x.device, 4))
+        config = config or gemv_config(m, n_out, k, x.element_size(), num_sms(x.device, 4), norm)
         flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
                      ADD_OUT=add is not None, NORM_OUT=normed_out)  # fmt: skip
         stride_r = 0 if res is None else res.stride(0)
@@ -517,6 +541,7 @@ def _dot_launch(m, k, n_out, eps, strides, flags, config: GemvConfig, dtype) -> 
             **flags,
             F32_DOT=dtype == torch.float32 or interpreting(),
             EVEN=n_out % config.block_n == 0 and k % config.block_k == 0,
+            SWAP=config.swap,
             PDL=pdl["PDL"],
         ),
         num_warps=config.num_warps,

@@ -30,6 +30,7 @@ class GemvConfig(NamedTuple):
     num_warps: int
     num_stages: int
     fp8_x: bool = False  # fp8.py's tl.dot rows: x quantised to FP8 for an FP8 x FP8 dot
+    swap: bool = False  # gemv.py's tl.dot rows: weight tile @ x.T (the weight rows on M)
 
 
 def split_span(k: int, block_k: int, split: int, tiles: int) -> tuple[int, int]:

@@ -120,10 +120,11 @@ class Linear(nn.Module):
             self.weight_scale = nn.Parameter(scale, requires_grad=False)
             self.fp8 = True
 
-    def fuses(self, x: torch.Tensor) -> bool:
-        """Whether the small-batch kernel runs this projection of x, with the ops around it:
-        asked by plan, once per kind of input, after its FUSE and FP8 checks."""
-        return gemv_pays(x, self.weight)
+    def fuses(self, x: torch.Tensor, normed: bool = False) -> bool:
+        """Whether the small-batch kernel runs this projection of x, with the ops around it
+        (normed: a norm before it): asked by plan, once per kind of input, after its FUSE and
+        FP8 checks."""
+        return gemv_pays(x, self.weight, normed)
 
     def plan(
         self,
@@ -152,7 +153,7 @@ class Linear(nn.Module):
             norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
             plan = plans[key] = (
                 gemv_plan(x, weight, bias, silu, residual, norm_weight, eps, add)
-                if self.fuses(x)
+                if self.fuses(x, norm is not None)
                 else None
             )
         return plan
@@ -245,9 +246,9 @@ class RowParallelLinear(Linear):
         out = self.tp.all_reduce(self.matmul(x, None))
         return out if self.bias is None else out.add_(self.bias)
 
-    def fuses(self, x: torch.Tensor) -> bool:
+    def fuses(self, x: torch.Tensor, normed: bool = False) -> bool:
         """Not over several ranks: the residual is added after the all-reduce."""
-        return self.tp.size == 1 and super().fuses(x)
+        return self.tp.size == 1 and super().fuses(x, normed)
 
     def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
         check_shape(loaded, param.full_shape)

@@ -115,7 +115,7 @@ class SparseMoeBlock(nn.Module):
         """The layer's output for x; in a decoder layer (norm given) as LlamaMLP.forward: the
         residual stream x + residual normalised in, (output, the stream) out, the add pending."""
         if norm is not None:
-            if linear.FUSE and gemv_pays(x, self.gate.weight):
+            if linear.FUSE and gemv_pays(x, self.gate.weight, normed=True):
                 logits, stream, normed = gemv_normed(
                     x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True
                 )
