@@ -236,6 +236,24 @@ def assert_all_gone(pids: list[int], timeout: float = 10.0) -> None:
     assert not [p for p in pids if is_alive(p)], "processes left behind"
 
 
+def shut_down_killing(engine, rank: int) -> tuple[float, int]:
+    """engine.shutdown() with worker `rank` killed (SIGKILL) while shutdown waits for the
+    workers to take their Shutdown message -> (the seconds shutdown took, the worker's pid)."""
+    channel = engine.executor.world.channel
+    victim = engine.executor.workers.procs[rank].pid
+    flush = channel.flush
+
+    def killing_flush(*args, **kwargs):
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(0.5)  # the watchdog sees the death while shutdown is still here
+        return flush(*args, **kwargs)
+
+    channel.flush = killing_flush  # this engine's channel only, gone with it
+    start = time.monotonic()
+    engine.shutdown()
+    return time.monotonic() - start, victim
+
+
 def is_alive(pid: int) -> bool:
     """Whether pid runs (a zombie, dead but not yet reaped, does not)."""
     try:

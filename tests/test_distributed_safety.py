@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import triton.language as tl
-from helpers import assert_stopped_for_good, is_alive
+from helpers import assert_stopped_for_good, is_alive, shut_down_killing
 
 from ostinato import LLM, SamplingParams
 from ostinato.distributed import launcher, worker, world
@@ -375,28 +375,17 @@ def test_a_rank_that_stops_answering_mid_step_is_named_within_the_deadline():
             os.kill(worker_proc.pid, signal.SIGKILL)
 
 
-def test_a_rank_killed_during_teardown_is_named_and_nothing_is_left(monkeypatch):
+def test_a_rank_killed_during_teardown_is_named_and_nothing_is_left():
     """The kill lands while shutdown waits for the workers to take their Shutdown message:
     the watchdog's abort and the driver's leave meet, once each; shutdown returns within
     seconds, the engine names the rank, and no process is left."""
     llm = LLM("tiny", pipeline_parallel_size=2, **ENGINE)
     engine = llm.engine
-    channel = engine.executor.world.channel
-    victim = engine.executor.workers.procs[1]
-    flush = channel.flush
-
-    def killing_flush(*args, **kwargs):
-        os.kill(victim.pid, signal.SIGKILL)
-        time.sleep(0.5)  # the watchdog sees the death while we are still here
-        return flush(*args, **kwargs)
-
-    monkeypatch.setattr(channel, "flush", killing_flush)
     assert len(generate(llm)) == len(PROMPTS)
-    start = time.monotonic()
-    engine.shutdown()
-    assert time.monotonic() - start < 15
+    seconds, victim = shut_down_killing(engine, 1)
+    assert seconds < 15
     assert "stage 1, tensor rank 0 (rank 1) was killed by SIGKILL" in engine.failed
-    assert not is_alive(victim.pid) and not multiprocessing.active_children()
+    assert not is_alive(victim) and not multiprocessing.active_children()
     with pytest.raises(EngineShutdownError):  # shut down, as asked; engine.failed says why
         llm.generate(["again"], GREEDY, use_tqdm=False)
 

@@ -9,7 +9,13 @@ import time
 
 import pytest
 import torch
-from helpers import assert_a_stopped_driver_leaves_nothing, make_hf_checkpoint, overlapped_submits
+from helpers import (
+    assert_a_stopped_driver_leaves_nothing,
+    is_alive,
+    make_hf_checkpoint,
+    overlapped_submits,
+    shut_down_killing,
+)
 from oracle import MODES, engine, mixed_workload
 
 from ostinato import SamplingParams
@@ -220,7 +226,7 @@ def test_a_tensor_rank_lost_during_graph_replays_stops_the_engine_within_seconds
     assert not left
 
 
-def test_a_tensor_rank_killed_during_shutdown_leaves_nothing(checkpoint, reference, monkeypatch):
+def test_a_tensor_rank_killed_during_shutdown_leaves_nothing(checkpoint, reference):
     """README check 3, second half: after FULL replays (NCCL's communicators captured in the
     graphs), rank 1 is killed while shutdown() waits for the workers to take their Shutdown
     message. shutdown returns within seconds, without a hang in destroy_process_group or
@@ -229,21 +235,10 @@ def test_a_tensor_rank_killed_during_shutdown_leaves_nothing(checkpoint, referen
     core = llm.engine
     assert mixed_workload(llm) == reference
     assert core.runner.graph_report()["steps"]["full"] > 0
-    channel = core.executor.world.channel
-    victim = core.executor.workers.procs[1]
-    flush = channel.flush
-
-    def killing_flush(*args, **kwargs):
-        os.kill(victim.pid, signal.SIGKILL)
-        time.sleep(0.5)  # the watchdog sees the death while shutdown is still here
-        return flush(*args, **kwargs)
-
-    monkeypatch.setattr(channel, "flush", killing_flush)
-    start = time.monotonic()
-    core.shutdown()
-    assert time.monotonic() - start < 30
+    seconds, victim = shut_down_killing(core, 1)
+    assert seconds < 30
     assert "stage 0, tensor rank 1 (rank 1) was killed by SIGKILL" in core.failed
-    assert not victim.is_alive() and not multiprocessing.active_children()
+    assert not is_alive(victim) and not multiprocessing.active_children()
 
 
 LATE_S = 10  # rank 1 loads its weights this much later than rank 0
