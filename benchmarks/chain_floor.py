@@ -27,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from bench_kernels import graph_seconds  # a sibling script: benchmarks/ is the script's path
+from graph_launch import _bump_kernel
 
 from ostinato.bench import copy_bandwidth
 from ostinato.footprint import active_experts
@@ -57,13 +58,6 @@ def _read_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr, LOADS: tl.constexpr):
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
-
-
-@triton.jit
-def _small_kernel(x_ptr):
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-    tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
 @triton.jit
@@ -119,6 +113,11 @@ def read(words: torch.Tensor, out: torch.Tensor) -> None:
                        launch_pdl=True)  # fmt: skip
 
 
+def num_experts(c) -> int:
+    """A MoE model's experts a layer; 0 for a dense model."""
+    return getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None) or 0
+
+
 def layer_weights(c, rows: int) -> list[tuple[str, int, int, int]]:
     """(name, output rows N, K, copies) of what one decoder layer's decode step reads, in order;
     a MoE layer's experts as `copies` matrices (its active experts at `rows` tokens)."""
@@ -128,7 +127,7 @@ def layer_weights(c, rows: int) -> list[tuple[str, int, int, int]]:
     )
     q, kv = c.num_attention_heads * head, c.num_key_value_heads * head
     attention = [("qkv", q + 2 * kv, hidden, 1), ("o", hidden, q, 1)]
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    experts = num_experts(c)
     if not experts:
         return attention + [("gate|up", 2 * c.intermediate_size, hidden, 1),
                             ("down", hidden, c.intermediate_size, 1)]  # fmt: skip
@@ -141,34 +140,18 @@ def layer_weights(c, rows: int) -> list[tuple[str, int, int, int]]:
     return attention + [("router", experts, hidden, 1)] + routed
 
 
-def time_graph(fn, replays: int = 20, rounds: int = 5) -> float:
-    """ms a replay of fn captured in one CUDA graph, back to back (as async decode steps)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds + 1):  # the first round uploads the graph
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times[1:])
+def step_reads(c, weight_bytes: int, rows: int) -> tuple[list[int], int]:
+    """(bytes of each weight one decoder layer reads, in order; the LM head's bytes) of a decode
+    step of `rows` tokens. The LM head stays bf16, as ostinato's FP8 models keep it."""
+    sizes = [n * k * copies * weight_bytes for _, n, k, copies in layer_weights(c, rows)]
+    return sizes, c.vocab_size * c.hidden_size * 2
 
 
 def chains(c, weight_bytes: int, rows: int, reads: bool):
     """The step's weights as views of one byte buffer -> (bytes, {chain: (kernels, fn)});
-    reads: with the read chains. The LM head stays bf16, as ostinato's FP8 models keep it."""
-    layer = layer_weights(c, rows)
-    head = (c.vocab_size, c.hidden_size)
-    sizes = [n * k * copies * weight_bytes for _, n, k, copies in layer]
-    layer_bytes, head_bytes = sum(sizes), head[0] * head[1] * 2
+    reads: with the read chains."""
+    sizes, head_bytes = step_reads(c, weight_bytes, rows)
+    layer_bytes = sum(sizes)
     total = c.num_hidden_layers * layer_bytes + head_bytes
     buffer = torch.randint(-(2**31), 2**31 - 1, (total // 4 + 1,), dtype=torch.int32, device="cuda")
     out = torch.empty(triton.cdiv(total // 4 + 1, BLOCK * LOADS), dtype=torch.int32, device="cuda")
@@ -183,7 +166,7 @@ def chains(c, weight_bytes: int, rows: int, reads: bool):
                     read(words(at, size), out)
                     at += size
                 for _ in range(small):
-                    _small_kernel[(1,)](flag, launch_pdl=True)
+                    _bump_kernel[(1,)](flag, PDL=True, launch_pdl=True)
             read(words(at, head_bytes), out)
 
         return step
@@ -202,10 +185,11 @@ def chains(c, weight_bytes: int, rows: int, reads: bool):
             "weight": (layers * len(sizes) + 1, per_weight(0)),
             "weight+3": (layers * (len(sizes) + 3) + 1, per_weight(3)),
         }
-    if all(copies == 1 for *_, copies in layer):  # dense: the projections themselves
-        matrices = [(n, k) for _, n, k, _ in layer] * layers
+    if not num_experts(c):  # dense: the projections themselves
+        matrices = [(n, k) for _, n, k, _ in layer_weights(c, rows)] * layers
+        head = [(c.vocab_size, c.hidden_size)]
         weights = views(buffer, matrices, weight_bytes) + views(
-            buffer, [head], 2, at=total - head_bytes
+            buffer, head, 2, at=total - head_bytes
         )
         found[f"cublas {rows}"] = (len(weights), projections(weights, rows, cublas))
         found[f"ours {rows}"] = (len(weights), projections(weights, rows, ours))
@@ -271,20 +255,26 @@ def main() -> None:
                         help="2: bf16; 1: FP8 (cuBLAS through torch._scaled_mm)")  # fmt: skip
     parser.add_argument("--json", help="append one JSON line per chain to this file")
     args = parser.parse_args()
+    batches = args.rows.split(",")
+    if not all(b.isdigit() and int(b) > 0 for b in batches):
+        parser.error("--rows takes positive batch sizes, comma-separated, e.g. 1,32")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device: it times CUDA graphs")
-    c = load_hf_config(args.model)
+    try:
+        c = load_hf_config(args.model)
+    except ValueError as e:  # an unknown preset, a path that is no model
+        parser.error(str(e))
     bandwidth = copy_bandwidth()
     print(f"{args.model}, {args.weight_bytes}-byte weights, copy {bandwidth / 1e12:.2f} TB/s")
     print("| rows | chain | kernels a step | ms a step | floor ms | x floor |")
     print("|---|---|---|---|---|---|")
-    for i, rows in enumerate(map(int, args.rows.split(","))):
-        moe = layer_weights(c, rows)[-1][3] > 1
-        total, found = chains(c, args.weight_bytes, rows, reads=i == 0 or moe)
+    for i, rows in enumerate(map(int, batches)):
+        # a dense model reads the same weights at every batch size: its read chains once
+        total, found = chains(c, args.weight_bytes, rows, reads=i == 0 or num_experts(c) > 0)
         floor = total / bandwidth * 1e3
         for name, (kernels, fn) in found.items():
             try:
-                ms = time_graph(fn)
+                ms = graph_seconds([fn], replays=20) * 1e3
             except Exception as e:  # one chain that fails to run leaves the others their numbers
                 print(f"| {rows} | {name} | {kernels} | failed: {type(e).__name__}: {e} | | |")
                 continue
