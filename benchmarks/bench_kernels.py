@@ -988,9 +988,10 @@ def gemv_by_rows(copy_bw: float) -> tuple[list[list[str]], list[list[str]]]:
     residual add in their epilogues; gate|up: the norm and SiLU-and-mul), in a few launch
     configurations, against cuBLAS alone and against what the unfused path launches for the
     same work: qkv the fused add + norm kernel, then cuBLAS; o and down cuBLAS (their add
-    goes to the next norm); gate|up the add + norm, cuBLAS, then our SiLU-and-mul. Each call
-    on its own weights from a ring larger than L2. -> (projection rows, layer rows: the four
-    summed)."""
+    goes to the next norm); gate|up the add + norm, cuBLAS, then our SiLU-and-mul. From 2
+    rows a normed projection is also timed norm first: the add + norm kernel, then the
+    swapped tl.dot without a prologue (DOT_TILE; SiLU in its epilogue). Each call on its own
+    weights from a ring larger than L2. -> (projection rows, layer rows: the four summed)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, layers = [], {}
     for model, projections in LAYER_PROJECTIONS.items():
@@ -1013,8 +1014,12 @@ def gemv_by_rows(copy_bw: float) -> tuple[list[list[str]], list[list[str]]]:
                     timed.append((seconds, config))
                 cublas, alone = graph_seconds(case.cublas()), graph_seconds(case.unfused())
                 default, best = timed[0][0], min(timed)
-                total = layers.setdefault((model, m), [0.0, 0.0, 0.0])
-                for i, seconds in enumerate((default, best[0], alone)):
+                first = None
+                if normed and m >= gemv_module.DOT_ROWS:
+                    swapped = gemv_module.dot_config(m, n_out, k, *gemv_module.DOT_TILE, 2, sms)
+                    first = graph_seconds(case.norm_first(swapped))
+                total = layers.setdefault((model, m), [0.0, 0.0, 0.0, 0.0])
+                for i, seconds in enumerate((default, best[0], alone, first or default)):
                     total[i] += seconds
                 rows.append([
                     model, f"{name} ({fusion})", str(m), f"{n * k * 2 / 1e6:.1f}",
@@ -1022,13 +1027,16 @@ def gemv_by_rows(copy_bw: float) -> tuple[list[list[str]], list[list[str]]]:
                     _gemv_short(timed[0][1]), f"{best[0] * 1e6:.2f}", _gemv_short(best[1]),
                     f"{cublas * 1e6:.2f}",
                     f"{alone * 1e6:.2f}", f"{alone / default:.2f}x", f"{alone / best[0]:.2f}x",
+                    "-" if first is None else f"{first * 1e6:.2f}",
+                    "-" if first is None else f"{alone / first:.2f}x",
                 ])  # fmt: skip
             del weights
             torch.cuda.empty_cache()
     layer_rows = [
         [model, str(m), f"{ours * 1e6:.2f}", f"{best * 1e6:.2f}", f"{alone * 1e6:.2f}",
-         f"{alone / ours:.2f}x", f"{alone / best:.2f}x"]
-        for (model, m), (ours, best, alone) in layers.items()
+         f"{alone / ours:.2f}x", f"{alone / best:.2f}x", f"{first * 1e6:.2f}",
+         f"{alone / first:.2f}x"]
+        for (model, m), (ours, best, alone, first) in layers.items()
     ]  # fmt: skip
     return rows, layer_rows
 
@@ -1053,11 +1061,18 @@ class _ProjectionCase:
     def unfused(self) -> list[Callable]:
         return [lambda w=w: self._unfused(w) for w in self.weights]
 
+    def norm_first(self, config) -> list[Callable]:
+        return [lambda w=w: self._norm_first(w, config) for w in self.weights]
+
     def _ours(self, w, config):
         if self.normed:
             return gemv_normed(self.x, None, self.norm_w, 1e-6, w, silu_and_mul=self.silu,
                                config=config)  # fmt: skip
         return gemv(self.x, w, add=self.residual, config=config)
+
+    def _norm_first(self, w, config):
+        fused_add_rms_norm(self.x, self.residual, self.norm_w, 1e-6)
+        return gemv(self.x, w, silu_and_mul=self.silu, config=config)
 
     def _unfused(self, w):
         if self.normed:
@@ -1301,12 +1316,16 @@ def main() -> None:
                     "unfused µs",
                     "ours vs unfused",
                     "best vs unfused",
+                    "norm first µs",
+                    "norm first vs unfused",
                 ],
                 projection_rows,
             )  # fmt: skip
             + "\n\nours: gemv_config's launch; best: the fastest of it and the other tl.dot "
             "tiles. unfused: what the engine launches without the kernel (qkv: add + norm, "
-            "cuBLAS; o, down: cuBLAS; gate|up: add + norm, cuBLAS, SiLU-and-mul).\n\n"
+            "cuBLAS; o, down: cuBLAS; gate|up: add + norm, cuBLAS, SiLU-and-mul). norm first "
+            "(a normed projection from 2 rows): add + norm, then the swapped tl.dot without a "
+            "prologue (SiLU in its epilogue); in the layer sums, with ours for o and down.\n\n"
             "### A decoder layer's four projections, summed\n\n"
             + table(
                 [
@@ -1317,6 +1336,8 @@ def main() -> None:
                     "unfused µs",
                     "ours vs unfused",
                     "best vs unfused",
+                    "norm first µs",
+                    "norm first vs unfused",
                 ],
                 layer_rows,
             )  # fmt: skip

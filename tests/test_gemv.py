@@ -187,9 +187,15 @@ def test_gemv_config_splits_narrow_weights_only():
 def test_engine_takes_the_kernel_up_to_the_row_limits(monkeypatch):
     """rows_pay follows ROW_LIMITS: the first entry holding the weight's size gives its rows,
     a weight larger than every entry takes none; one row only up to MAX_K columns and
-    MAX_WEIGHT_ELEMENTS. As measured: llama-3.1-8b's gate|up and down take it at one row."""
+    MAX_WEIGHT_ELEMENTS. As measured: llama-3.1-8b's gate|up and down take it at one row, and
+    without a norm prologue (norm first) up to 32, as its o; qwen3-0.6b's qkv and gate|up and
+    qwen3-30b-a3b's qkv one row."""
     assert rows_pay(1, 2 * 14336, 4096) and rows_pay(1, 4096, 14336)
-    assert not rows_pay(2, 4096, 14336) and not rows_pay(2, 4096, 14336, normed=True)
+    assert rows_pay(32, 2 * 14336, 4096) and rows_pay(32, 4096, 14336)
+    assert not rows_pay(33, 4096, 14336) and not rows_pay(2, 4096, 14336, normed=True)
+    assert rows_pay(1, 4096, 1024) and not rows_pay(2, 4096, 1024)
+    assert not rows_pay(2, 5120, 2048) and rows_pay(2, 4096, 4096)  # a3b qkv; llama o
+    assert not rows_pay(2, 2 * 3072, 1024) and not rows_pay(2, 2 * 3072, 1024, normed=True)
     # as measured: qwen3-0.6b's down (3M elements) at 32 rows without a norm, 8 with one
     assert rows_pay(32, 1024, 3072) and not rows_pay(33, 1024, 3072)
     assert rows_pay(8, 1024, 3072, normed=True) and not rows_pay(9, 1024, 3072, normed=True)

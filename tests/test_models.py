@@ -123,24 +123,38 @@ def prefilled(arch, tmp_path, lens):
     return hf, model, kv, seqs, want
 
 
+@pytest.mark.parametrize("prologue", [True, False], ids=["norm-in-kernel", "norm-first"])
 @pytest.mark.parametrize("lens", [PROMPT_LENS[1:2], PROMPT_LENS], ids=["fma-1", "dot-3"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # + biases, + q/k norms
-def test_decode_through_the_fused_projections_matches_hf(arch, lens, tmp_path, monkeypatch):
+def test_decode_through_the_fused_projections_matches_hf(
+    arch, lens, prologue, tmp_path, monkeypatch
+):
     """A decode token per request where the small-batch kernels run (forced on the CPU,
-    interpreted): the norms in the projections' prologues and the residual adds in their
-    epilogues give HF's logits; the prefill before it takes the unfused path, so both kinds
-    share one stream."""
+    interpreted): the residual adds in the projections' epilogues, and the norms in their
+    prologues or (where only the kernel without a norm pays) in a norm kernel before it,
+    SiLU-and-mul still in gate|up's epilogue, give HF's logits; the prefill before it takes
+    the unfused path, so both kinds share one stream."""
     hf, model, kv, seqs, want = prefilled(arch, tmp_path, lens)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fused = []  # the layers' projections (the LM head would only slow the interpreter)
-    pays = lambda x, w, normed=False: (  # noqa: E731
-        w.shape[0] != hf.config.vocab_size and not fused.append(normed)
-    )
+    asked = []  # the layers' projections (the LM head would only slow the interpreter)
+
+    def pays(x, w, normed=False):
+        if w.shape[0] == hf.config.vocab_size:
+            return False
+        asked.append(normed)
+        return prologue or not normed
+
     monkeypatch.setattr(linear_module, "gemv_pays", pays)
+    separate_silu = []
+    monkeypatch.setattr(linear_module, "silu_and_mul", lambda y: separate_silu.append(y))
     positions, meta = step_metadata(lens, [1] * len(lens))
     got = run(model, kv, torch.cat([s[-1:] for s in seqs]), positions, meta)
-    # asked with their prologue: qkv and gate|up after a norm, o and down before an add
-    assert fused.count(True) == fused.count(False) == 2 * hf.config.num_hidden_layers
+    # asked with their prologue: qkv and gate|up after a norm, o and down before an add; and
+    # without one, qkv and gate|up again after the norm kernel
+    layers = hf.config.num_hidden_layers
+    assert asked.count(True) == 2 * layers
+    assert asked.count(False) == (2 if prologue else 4) * layers
+    assert not separate_silu
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

@@ -51,22 +51,30 @@ from ostinato.kernels.small_batch import (
 # rows at most) by increasing size, the first that holds the weight decides; a weight larger
 # than every entry takes cuBLAS. ROW_LIMITS holds for a projection with the norm in its
 # prologue (tl.dot on x as stored: NORMED_DOT_TILE), PLAIN_ROW_LIMITS for one without (the
-# swapped tl.dot: DOT_TILE). On the H100 (`bench_kernels.py --sections gemv-rows`,
-# benchmarks/h100-2026-11-25-s18.md) the normed tl.dot beat cuBLAS and the separate kernels at
-# 2-16 rows only for weights of at most 3M elements, and lost for larger ones (0.77-0.99x) and
-# at 32 rows everywhere; in qwen3-0.6b's decode step it took 10-17% off at batch 2-8 and nothing
-# at 16 (benchmarks/h100-2026-11-26-s19.md). The swapped one (benchmarks/h100-2026-11-27-s36.md)
-# beats cuBLAS at 2-32 rows on qwen3-0.6b's o and down (1.09-1.45x); llama-3.1-8b's o gained
-# 7-10% at 2-16 rows and lost at 32, its down 2-4%: left to cuBLAS, as is every larger weight
-# this bench does not time without a norm (a plain qkv or gate|up). One row (FMAs, in
-# gemv_config's launch) reads at 1.00-1.13x the copy floor up to llama-3.1-8b's MLP, the
-# largest weights measured, where the unfused path (norm, cuBLAS, SiLU) takes 1.09-1.13x longer
-# (gate|up, 117M elements: 77.5 against 88.0 us; down, K = 14336: 40.3 against 43.9;
-# benchmarks/h100-2026-11-26-s27.md): MAX_K and MAX_WEIGHT_ELEMENTS are those measured bounds.
+# swapped tl.dot: DOT_TILE), which a normed projection that ROW_LIMITS refuses also takes
+# after a norm kernel (layers/linear.py: normed_projection). On the H100 (`bench_kernels.py
+# --sections gemv-rows`, benchmarks/h100-2026-11-25-s18.md) the normed tl.dot beat cuBLAS and
+# the separate kernels at 2-16 rows only for weights of at most 3M elements, and lost for
+# larger ones (0.77-0.99x) and at 32 rows everywhere; in qwen3-0.6b's decode step it took
+# 10-17% off at batch 2-8 and nothing at 16 (benchmarks/h100-2026-11-26-s19.md). The swapped
+# one beats cuBLAS at 2-32 rows on qwen3-0.6b's o and down (1.09-1.45x, h100-2026-11-27-s36);
+# qwen3-0.6b's qkv and gate|up (4-6M elements) after a norm kernel made its decode step 3-10%
+# slower at batch 8-32, qwen3-30b-a3b's qkv and o (10.5M, 8.4M) 1% at batch 4-32: both stay on
+# cuBLAS above one row; all of llama-3.1-8b's (17-117M) swapped, norm first where they have
+# one, made its step 4-8% faster at batch 4-32 (h100-2026-11-28-s37), though its o alone
+# loses at 32 rows. One row (FMAs, in gemv_config's launch) reads at 1.00-1.13x the copy
+# floor up to llama-3.1-8b's MLP, the largest weights measured, where the unfused path (norm,
+# cuBLAS, SiLU) takes 1.09-1.13x longer (gate|up, 117M elements: 77.5 against 88.0 us; down,
+# K = 14336: 40.3 against 43.9; benchmarks/h100-2026-11-26-s27.md): MAX_K and
+# MAX_WEIGHT_ELEMENTS are those measured bounds.
 MAX_K = 14336
 MAX_WEIGHT_ELEMENTS = 28672 * 4096
 ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 8), (MAX_WEIGHT_ELEMENTS, 1))
-PLAIN_ROW_LIMITS: tuple[tuple[int, int], ...] = ((3 << 20, 32), (MAX_WEIGHT_ELEMENTS, 1))
+PLAIN_ROW_LIMITS: tuple[tuple[int, int], ...] = (
+    (3 << 20, 32),
+    (12 << 20, 1),
+    (MAX_WEIGHT_ELEMENTS, 32),
+)
 DOT_ROWS = 2  # from here the rows go through tl.dot
 # The tl.dot rows' tiles: weight rows a program, K columns a chunk, and whether the product
 # runs swapped (weight tile @ x.T: on Hopper a wgmma with the weight rows on its M side, where

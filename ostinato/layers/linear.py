@@ -55,12 +55,17 @@ def normed_projection(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """proj(norm(x + residual)), with silu (a merged gate|up) SiLU-and-mul after it, and the
     residual stream x + residual as one tensor (x itself without a residual). One kernel
-    where the small-batch kernel pays for a plain projection (the norm in its prologue); else
-    the norm (with the add, in place) and then proj, which may be a wrapped one (LoRA)."""
-    plan = proj.plan(x, norm, residual, silu) if isinstance(proj, Linear) else None
+    where the small-batch kernel pays with the norm in its prologue; else the norm (with the
+    add, in place) and then proj: the small-batch kernel with SiLU in its epilogue where it
+    pays without a prologue, else proj itself, which may be a wrapped one (LoRA)."""
+    linear = isinstance(proj, Linear)
+    plan = proj.plan(x, norm, residual, silu) if linear else None
     if plan is not None:
         return plan(x, proj.weight, proj.bias, residual, norm.weight, None)
     x, residual = norm.stream(x, residual)
+    plan = proj.plan(x, silu=silu) if linear else None
+    if plan is not None:
+        return plan(x, proj.weight, proj.bias, None, None, None)[0], residual
     y = proj(x)
     return (silu_and_mul(y) if silu else y), residual
 

@@ -19,6 +19,7 @@ from oracle import (
 
 from ostinato import LLM, SamplingParams
 from ostinato.kernels import launch, variants
+from ostinato.kernels.gemv import rows_pay
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +64,25 @@ def test_oracle_float32_exact(checkpoint, backend):
     )
     torch.backends.cuda.matmul.allow_tf32 = False
     assert ours == hf_greedy(hf_model(checkpoint, "cuda"), prompts, MAX_NEW)
+
+
+def test_oracle_float32_exact_where_the_norm_runs_before_the_kernel(checkpoint):
+    """Decode batches of 9-21 rows: the small-batch kernel refuses qkv and gate|up with the
+    norm in its prologue there (ROW_LIMITS) and takes them after a norm kernel, SiLU in
+    gate|up's epilogue (normed_projection): still HF's tokens."""
+    prompts = [p for seed in (3, 4, 5) for p in oracle_prompts(300, seed=seed)]
+    model = hf_model(checkpoint, "cuda")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    hidden = model.config.hidden_size
+    qkv = sum(p.out_features for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    for n in (qkv, 2 * mlp.gate_proj.out_features):
+        rows = len(prompts)
+        assert not rows_pay(rows, n, hidden, normed=True) and rows_pay(rows, n, hidden)
+    llm = LLM(str(checkpoint), dtype="float32", max_num_seqs=32, gpu_memory_utilization=0.25)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    ours = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert ours == hf_greedy(model, prompts, MAX_NEW)
 
 
 def test_every_mode_matches_eager_token_for_token(checkpoint):
