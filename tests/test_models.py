@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from helpers import make_hf_checkpoint
 
@@ -12,6 +13,7 @@ from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineConfig
 from ostinato.context import AttentionMetadata, ForwardContext, forward_context
 from ostinato.layers import linear as linear_module
+from ostinato.layers.norm import RMSNorm
 from ostinato.loader import load_hf_config, load_model
 from ostinato.models.base import IntermediateTensors
 
@@ -231,6 +233,34 @@ def test_a_projection_plan_follows_the_input_layout_and_a_new_weight(monkeypatch
     check(torch.randn(2, 48)[:, 16:32])  # rows 48 apart
     proj.weight = torch.nn.Parameter(torch.randn(32, 64)[:, 8:24], requires_grad=False)
     check(torch.randn(2, 16))
+
+
+def test_a_norm_first_plan_serves_contiguous_inputs_only(monkeypatch):
+    """Where the kernel takes a normed gate|up only without its prologue, the norm kernel runs
+    first, then the kernel with SiLU in its epilogue, from a plan made for x's layout: a
+    strided x, whose norm comes out contiguous, keeps the unfused path (its own SiLU kernel).
+    Both equal float64 math."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: not normed)
+    separate_silu = []
+    silu_and_mul = linear_module.silu_and_mul
+    monkeypatch.setattr(
+        linear_module, "silu_and_mul", lambda y: separate_silu.append(y) or silu_and_mul(y)
+    )
+    proj, norm = linear_module.Linear(16, 64), RMSNorm(16, 1e-6)
+    proj.weight.data.copy_(torch.randn(64, 16))
+    norm.weight.data.copy_(torch.rand(16) + 0.5)
+
+    def check(x: torch.Tensor, separate: int) -> None:
+        got, stream = linear_module.normed_projection(proj, norm, x, None, silu=True)
+        xd = x.double()
+        normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+        gate, up = (normed @ proj.weight.double().T).chunk(2, -1)
+        torch.testing.assert_close(got.double(), F.silu(gate) * up, atol=1e-4, rtol=1e-4)
+        assert stream is x and len(separate_silu) == separate
+
+    check(torch.randn(2, 16), 0)
+    check(torch.randn(2, 48)[:, 16:32], 1)  # rows 48 apart
 
 
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):

@@ -19,6 +19,7 @@ model dtype while loading, then `finish_loading` quantises each row (`weight_sca
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -54,18 +55,13 @@ def normed_projection(
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """proj(norm(x + residual)), with silu (a merged gate|up) SiLU-and-mul after it, and the
-    residual stream x + residual as one tensor (x itself without a residual). One kernel
-    where the small-batch kernel pays with the norm in its prologue; else the norm (with the
-    add, in place) and then proj: the small-batch kernel with SiLU in its epilogue where it
-    pays without a prologue, else proj itself, which may be a wrapped one (LoRA)."""
-    linear = isinstance(proj, Linear)
-    plan = proj.plan(x, norm, residual, silu) if linear else None
+    residual stream x + residual as one tensor (x itself without a residual). The small-batch
+    kernel where it pays (Linear.plan: the norm in its prologue, or the norm kernel first);
+    else the norm (with the add, in place) and then proj, which may be a wrapped one (LoRA)."""
+    plan = proj.plan(x, norm, residual, silu) if isinstance(proj, Linear) else None
     if plan is not None:
         return plan(x, proj.weight, proj.bias, residual, norm.weight, None)
     x, residual = norm.stream(x, residual)
-    plan = proj.plan(x, silu=silu) if linear else None
-    if plan is not None:
-        return plan(x, proj.weight, proj.bias, None, None, None)[0], residual
     y = proj(x)
     return (silu_and_mul(y) if silu else y), residual
 
@@ -141,9 +137,10 @@ class Linear(nn.Module):
     ) -> Callable | None:
         """Where the small-batch kernel runs this projection of x (fuses), its plan (gemv_plan)
         with norm before it (residual added first), silu after it, or add (the residual
-        stream) after that; else None. Kept per kind of input and for this weight and bias
-        (new ones get new plans): an eager step asks once a projection, and this key is all
-        it builds before the plan allocates and launches."""
+        stream) after that; with a norm the kernel refuses in its prologue but takes without
+        one, the norm kernel and then that plan (_norm_first); else None. Kept per kind of
+        input and for this weight and bias (new ones get new plans): an eager step asks once
+        a projection, and this key is all it builds before the plan allocates and launches."""
         if not FUSE or self.fp8:
             return None
         res = residual if residual is not None else add
@@ -155,13 +152,24 @@ class Linear(nn.Module):
             weight, bias, plans = self._plans = (self.weight, self.bias, {})
         plan = plans.get(key, False)
         if plan is False:
-            norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-            plan = plans[key] = (
-                gemv_plan(x, weight, bias, silu, residual, norm_weight, eps, add)
-                if self.fuses(x, norm is not None)
-                else None
-            )
+            plan = plans[key] = self._new_plan(x, norm, residual, silu, add)
         return plan
+
+    def _new_plan(self, x, norm, residual, silu, add) -> Callable | None:
+        if self.fuses(x, norm is not None):
+            norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+            return gemv_plan(x, self.weight, self.bias, silu, residual, norm_weight, eps, add)
+        # the norm's output is laid out as x where x is contiguous: one plan serves it
+        if norm is not None and x.is_contiguous() and self.fuses(x):
+            return partial(_norm_first, norm, gemv_plan(x, self.weight, self.bias, silu))
+        return None
+
+
+def _norm_first(norm, plain, x, weight, bias, residual, norm_weight, add):
+    """A plan's call (-> (y, stream)) as the norm kernel (residual added first, in place),
+    then plain: the small-batch kernel without a prologue."""
+    x, residual = norm.stream(x, residual)
+    return plain(x, weight, bias, None, None, None)[0], residual
 
 
 class ColumnParallelLinear(Linear):
