@@ -39,4 +39,8 @@ e)  # e1: the attention kernels' and the engine's GPU tests; qwen3-0.6b decode m
   for tree in m2 e1 m2 e1; do LAT_S=70 lat $tree --model random:qwen3-0.6b --input-len 512 --batch-size 1,4,32; done
   LAT_S=120 lat m2 --model random:llama-3.1-8b --input-len 128 --batch-size 1,32 --num-loras 0,1,4 --lora-rank 16 --max-loras 4 --max-lora-rank 16
   ;;
+f)  # r = the review mend (Linear.plan makes the norm-first plan): the engine's HF oracle and mode tests, the new one included
+  (cd .gpu/r && timeout 170 python3 -m pytest tests/gpu/test_engine_graphs.py -k "oracle_float32 or every_mode" \
+    -q -p no:cacheprovider -o addopts="" -rs 2>&1 | tee $OUT/gpu-r.log | tail -n 4)
+  ;;
 esac
