@@ -52,7 +52,7 @@ from ostinato.kernels.small_batch import (
 # than every entry takes cuBLAS. ROW_LIMITS holds for a projection with the norm in its
 # prologue (tl.dot on x as stored: NORMED_DOT_TILE), PLAIN_ROW_LIMITS for one without (the
 # swapped tl.dot: DOT_TILE), which a normed projection that ROW_LIMITS refuses also takes
-# after a norm kernel (layers/linear.py: normed_projection). On the H100 (`bench_kernels.py
+# after a norm kernel (layers/linear.py: Linear.plan). On the H100 (`bench_kernels.py
 # --sections gemv-rows`, benchmarks/h100-2026-11-25-s18.md) the normed tl.dot beat cuBLAS and
 # the separate kernels at 2-16 rows only for weights of at most 3M elements, and lost for
 # larger ones (0.77-0.99x) and at 32 rows everywhere; in qwen3-0.6b's decode step it took

@@ -69,7 +69,7 @@ def test_oracle_float32_exact(checkpoint, backend):
 def test_oracle_float32_exact_where_the_norm_runs_before_the_kernel(checkpoint):
     """Decode batches of 9-21 rows: the small-batch kernel refuses qkv and gate|up with the
     norm in its prologue there (ROW_LIMITS) and takes them after a norm kernel, SiLU in
-    gate|up's epilogue (normed_projection): still HF's tokens."""
+    gate|up's epilogue (Linear.plan): still HF's tokens."""
     prompts = [p for seed in (3, 4, 5) for p in oracle_prompts(300, seed=seed)]
     model = hf_model(checkpoint, "cuda")
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
