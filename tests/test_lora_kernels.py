@@ -6,12 +6,18 @@ adapter leaves alone, split K, and padded groups. The float tensors lie among Na
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import fence_intact, nan_fenced
 
-from ostinato.context import LoRAMetadata
+from ostinato.context import ForwardContext, LoRAMetadata, forward_context
 from ostinato.kernels import dispatch
 from ostinato.kernels import lora as lora_module
 from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
+from ostinato.layers import linear as linear_module
+from ostinato.layers.linear import ColumnParallelLinear, normed_projection
+from ostinato.layers.norm import RMSNorm
+from ostinato.lora import layer as lora_layer
+from ostinato.lora.layer import LoRALinear
 from ostinato.runner.input_buffers import group_by_adapter
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2}
@@ -134,3 +140,45 @@ def test_group_by_adapter_keeps_token_order_within_a_group():
     tokens, slots, starts, counts = group_by_adapter(np.array([2, -1, 0, 2, 0, -1, 3]))
     assert tokens.tolist() == [2, 4, 0, 3, 6]
     assert (slots.tolist(), starts.tolist(), counts.tolist()) == ([0, 2, 3], [0, 2, 4], [2, 2, 1])
+
+
+def test_a_step_without_adapters_takes_the_fused_base_path(monkeypatch):
+    """normed_projection through a LoRALinear where the small-batch kernel runs (forced on the
+    CPU): in a step without adapters it takes the base's plan (the norm in the kernel's
+    prologue, no norm kernel, no shrink) and gives the base Linear's own output; in a step with
+    them, the norm kernel, the projection and the adapter term (the float64 reference)."""
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: True)
+    k, half = 64, 48
+    base = ColumnParallelLinear(k, [half, half])
+    base.weight.data.copy_(torch.randn(2 * half, k) / k**0.5)
+    layer = LoRALinear(base, num_slots=2, max_rank=8)
+    for shard in (0, 1):
+        layer.set_shard(1, shard, torch.randn(8, k) / k**0.5, torch.randn(half, 8))
+    norm = RMSNorm(k, 1e-6)
+    norm.weight.data.normal_()
+    separate_norms, shrinks = [], []
+    stream, shrink = norm.stream, lora_layer.lora_shrink
+    monkeypatch.setattr(norm, "stream", lambda *a: separate_norms.append(1) or stream(*a))
+    monkeypatch.setattr(lora_layer, "lora_shrink", lambda *a: shrinks.append(1) or shrink(*a))
+    x, residual = torch.randn(1, k), torch.randn(1, k)
+
+    def gate_up(proj, meta):
+        with torch.no_grad(), forward_context(ForwardContext(None, [], None, meta)):
+            return normed_projection(proj, norm, x.clone(), residual.clone(), silu=True)
+
+    want = gate_up(base, None)
+    got = gate_up(layer, None)
+    assert not separate_norms and not shrinks
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    adapted = gate_up(layer, metadata([1], num_active=2))
+    assert separate_norms and shrinks
+    stream = (x + residual).double()
+    normed = stream * torch.rsqrt(stream.pow(2).mean() + 1e-6) * norm.weight.double()
+    y = normed @ base.weight.double().T
+    for shard in (0, 1):
+        a = layer.lora_a[1, shard * 8 : (shard + 1) * 8].double()
+        y[:, shard * half : (shard + 1) * half] += (
+            normed @ a.T @ layer.lora_b[1, shard * half : (shard + 1) * half].double().T
+        )
+    gate, up = y.split(half, dim=1)
+    torch.testing.assert_close(adapted[0].double(), F.silu(gate) * up, atol=1e-4, rtol=1e-4)

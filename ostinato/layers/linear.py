@@ -56,9 +56,10 @@ def normed_projection(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """proj(norm(x + residual)), with silu (a merged gate|up) SiLU-and-mul after it, and the
     residual stream x + residual as one tensor (x itself without a residual). The small-batch
-    kernel where it pays (Linear.plan: the norm in its prologue, or the norm kernel first);
-    else the norm (with the add, in place) and then proj, which may be a wrapped one (LoRA)."""
-    plan = proj.plan(x, norm, residual, silu) if isinstance(proj, Linear) else None
+    kernel where it pays (proj.plan: a Linear's, the norm in its prologue or the norm kernel
+    first; a LoRALinear's, the same in a step without adapters); else the norm (with the add,
+    in place) and then proj."""
+    plan = proj.plan(x, norm, residual, silu)
     if plan is not None:
         return plan(x, proj.weight, proj.bias, residual, norm.weight, None)
     x, residual = norm.stream(x, residual)
@@ -72,7 +73,7 @@ def residual_projection(
     """The residual stream once proj(x) is added to it, as (hidden, residual): hidden +
     residual, or hidden alone when residual is None. The small-batch kernel adds in its
     epilogue, so the next norm reads one tensor; otherwise the add is left to that norm."""
-    plan = proj.plan(x, add=residual) if isinstance(proj, Linear) else None
+    plan = proj.plan(x, add=residual)
     if plan is not None:
         return plan(x, proj.weight, proj.bias, None, None, residual)[0], None
     return proj(x), residual

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from ostinato.context import get_forward_context
 from ostinato.kernels.lora import lora_expand, lora_shrink
+from ostinato.layers.norm import RMSNorm
 
 
 class LoRALinear(nn.Module):
@@ -35,6 +38,29 @@ class LoRALinear(nn.Module):
             "lora_ranks", torch.zeros(num_slots, shards, dtype=torch.int32, device=like["device"])
         )
 
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def plan(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        silu: bool = False,
+        add: torch.Tensor | None = None,
+    ) -> Callable | None:
+        """Linear.plan's for the fused paths (layers/linear.py): the base's own plan in a step
+        without adapters, so such a step runs as the model without LoRA does; else None (forward:
+        the base projection, the shrink beside it and the expand)."""
+        if get_forward_context().lora is not None:
+            return None
+        return self.base.plan(x, norm, residual, silu, add)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().lora
         if meta is None:  # no adapter in this step: the base projection alone
@@ -45,10 +71,12 @@ class LoRALinear(nn.Module):
             main = torch.cuda.current_stream(x.device)
             side = _side_stream(x.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
-                partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
-            y = self.base(x)
-            main.wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
+                y = self.base(x)
+            finally:  # joined even where a launch raises: a capture ends only with it joined
+                main.wait_stream(side)
         else:
             y = self.base(x)
             partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)

@@ -12,6 +12,9 @@ from oracle import hf_greedy, hf_model, oracle_prompts
 
 from ostinato import LLM, LoRARequest, SamplingParams
 from ostinato.context import ForwardContext, LoRAMetadata, forward_context
+from ostinato.graphs.breakable import BreakableGraph
+from ostinato.kernels import launch, variants
+from ostinato.kernels import lora as lora_kernels
 from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
 from ostinato.layers.linear import Linear
 from ostinato.lora import layer as lora_layer
@@ -109,6 +112,31 @@ def test_float32_graphs_equal_transformers_with_peft(lora_models):
     assert llm.graph_report()["replays_by_active_loras"].get("1", 0) > 0
 
 
+def test_one_request_at_a_time_equals_transformers_with_peft(lora_models):
+    """Requests decoded alone (every decode step one row, where the base projections take the
+    one-row kernel): float32 tokens equal transformers + peft eagerly and in graphs, for an
+    adapter on every projection and one on a few (rank 4, rsLoRA); bfloat16 graphs pass the
+    checker."""
+    path, adapters = lora_models
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts, params = oracle_prompts(300)[:4], SamplingParams(temperature=0.0, max_tokens=12)
+    for adapter in adapters[:2]:
+        with_peft = peft.PeftModel.from_pretrained(hf_model(path, "cuda"), adapter.path).eval()
+        want = hf_greedy(with_peft, prompts, 12)
+        for mode in ("none", "full_and_piecewise"):
+            llm = engine(path, mode, max_num_seqs=1)
+            outs = [
+                llm.generate([p], params, use_tqdm=False, lora_request=adapter) for p in prompts
+            ]
+            assert [o[0].token_ids for o in outs] == want, (adapter.name, mode)
+            del llm
+            gc.collect()
+    llm = engine(path, "full_and_piecewise", dtype="bfloat16", check_graphs=1, max_num_seqs=1)
+    for p in prompts:  # raises if a graphed step leaves eager's logits
+        llm.generate([p], params, use_tqdm=False, lora_request=adapters[0])
+    assert llm.graph_report()["replays_by_active_loras"].get("1", 0) > 0
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 32, 200, 512])
 @pytest.mark.parametrize("shards", [[4096, 1024, 1024], [14336, 14336], [4096]])
 def test_kernels_match_torch_on_8b_shapes(num_tokens, shards):
@@ -172,3 +200,42 @@ def test_the_expand_waits_for_the_side_stream_shrink(monkeypatch):
         got = layer(x)
     torch.cuda.synchronize()
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_cold_kernel_beside_the_shrink_leaves_the_capture_whole(monkeypatch):
+    """A capture that meets a cold kernel variant in the base projection, once the shrink is
+    launched on LoRALinear's side stream, raises ColdKernel and still ends, the side stream
+    joined: the engine warms up and captures again in the same pool, which its earlier graphs
+    hold. Without the join that capture failed with 'already recording to mempool_id', as the
+    bfloat16 LoRA engines of session 38's first call did (their base projections' unfused
+    variants were cold where steps without adapters took the fused paths)."""
+    torch.manual_seed(0)
+    dev, dtype, k, n, rank = "cuda", torch.bfloat16, 256, 512, 16
+    base = Linear(k, n).to(dev)
+    base.weight.data = torch.randn(n, k, device=dev).div(k**0.5).to(dtype)
+    layer = LoRALinear(base, num_slots=2, max_rank=rank)
+    layer.set_shard(
+        1, 0, torch.randn(rank, k, device=dev).to(dtype), torch.randn(n, rank, device=dev).to(dtype)
+    )
+    x = torch.randn(8, k, device=dev).to(dtype)
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    meta = LoRAMetadata(1, as_int(range(8)), as_int([1]), as_int([0]), as_int([8]))
+    monkeypatch.setattr(variants, "_launched", set())
+    monkeypatch.setattr(launch, "_compiled", {})  # every launch passes the capture guard
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+    with forward_context(ForwardContext(None, [], None, lora=meta)):
+        with variants.recording():
+            want = layer(x)
+        held = BreakableGraph(pool, stream)  # the pool stays in use, as the engine's graphs keep it
+        held.capture(lambda: base(x), breaks=False)
+        cold = {key for key in variants._launched if key[0] is not lora_kernels._shrink_kernel}
+        assert cold and len(cold) < len(variants._launched)
+        variants._launched -= cold  # the shrink launches, then the projection's kernel raises
+        launch._compiled.clear()  # the warm-up's cached launches would skip the guard
+        with variants.warm_only(), pytest.raises(variants.ColdKernel):
+            BreakableGraph(pool, stream).capture(lambda: layer(x), breaks=False)
+        variants._launched |= cold
+        graph = BreakableGraph(pool, stream)
+        with variants.warm_only():
+            graph.capture(lambda: layer(x), breaks=False)
+    torch.testing.assert_close(graph.replay(), want)
