@@ -6,7 +6,9 @@
 # timing variants of n: v1 = the expand's loads of the shrink's sums through L1 (no .cg), v2 = no reset of the
 # counts (no reader counts itself: after the first launch no program waits), v3 = both; k = m + what was kept of
 # n: a LoRALinear's plan is its base's in a step without adapters (the fused paths), the side stream joined in a
-# finally (the one-row LoRA kernel of n measured slower and dropped; mc updated to k's tests/gpu/test_lora.py)
+# finally (the one-row LoRA kernel of n measured slower and dropped; mc updated to k's tests/gpu/test_lora.py);
+# b = k (f04b68f) + the shrink as a launch of the one-row kernel over A's rows before the projection, whose
+# programs read its sums beside x (after the PDL wait) and add the expand in their epilogue: no in-kernel wait
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
@@ -46,5 +48,10 @@ d)  # k: the LoRA GPU tests; the cold-shrink test on mc (expected to fail); LoRA
 e)  # the side-stream join test, rewritten (a cold projection kernel once the shrink is launched): k, then mc (expected to fail)
   tests k 60 tests/gpu/test_lora.py -k cold_kernel_beside
   tests mc 60 tests/gpu/test_lora.py -k cold_kernel_beside
+  ;;
+f)  # LoRA batch 1 decode, k against b; b's LoRA GPU tests (one request at a time against peft, every mode against eager)
+  for tree in k b; do LAT_S=90 lat $tree --model random:llama-3.1-8b --input-len 128 --batch-size 1 \
+    --num-loras 0,1 --lora-rank 16 --max-loras 4 --max-lora-rank 16; done
+  tests b 100 tests/gpu/test_lora.py -k "one_request or every_mode" -x
   ;;
 esac
