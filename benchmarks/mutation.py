@@ -47,6 +47,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "triton_backend": ("ostinato/attention/triton_backend.py", ["tests/test_kernels.py"]),
     "footprint": ("ostinato/footprint.py", ["tests/test_explain.py"]),
     "engine_args": ("ostinato/engine_args.py", ["tests/test_engine_args.py"]),
+    "lora_layer": ("ostinato/lora/layer.py", ["tests/test_lora_kernels.py"]),
     "sampling_params": (
         "ostinato/sampling_params.py",
         ["tests/test_sampling_params_checks.py", "tests/test_sampling_params.py"],

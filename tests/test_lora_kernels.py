@@ -14,7 +14,12 @@ from ostinato.kernels import dispatch
 from ostinato.kernels import lora as lora_module
 from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
 from ostinato.layers import linear as linear_module
-from ostinato.layers.linear import ColumnParallelLinear, normed_projection
+from ostinato.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    normed_projection,
+    residual_projection,
+)
 from ostinato.layers.norm import RMSNorm
 from ostinato.lora import layer as lora_layer
 from ostinato.lora.layer import LoRALinear
@@ -182,3 +187,26 @@ def test_a_step_without_adapters_takes_the_fused_base_path(monkeypatch):
         )
     gate, up = y.split(half, dim=1)
     torch.testing.assert_close(adapted[0].double(), F.silu(gate) * up, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_lora_residual_projection_without_adapters_is_its_base(dtype, monkeypatch):
+    """residual_projection (o, down) through a LoRALinear over a plain Linear, where the
+    small-batch kernel runs (forced on the CPU): the slots take the base's dtype (ranks int32,
+    one shard), and a step without adapters takes the base's plan, the residual added in its
+    epilogue, bit for bit the base Linear's output."""
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: True)
+    base = Linear(64, 40)
+    base.weight.data = (torch.randn(40, 64) / 8).to(dtype)
+    layer = LoRALinear(base, num_slots=2, max_rank=8)
+    assert (layer.lora_a.dtype, layer.lora_b.dtype, layer.lora_ranks.dtype) == (
+        dtype,
+        dtype,
+        torch.int32,
+    )
+    assert layer.lora_a.shape == (2, 8, 64) and layer.lora_b.shape == (2, 40, 8)
+    x, residual = torch.randn(1, 64).to(dtype), torch.randn(1, 40).to(dtype)
+    with torch.no_grad(), forward_context(ForwardContext(None, [], None, None)):
+        got = residual_projection(layer, x, residual)
+        want = residual_projection(base, x, residual)
+    assert got[1] is None and torch.equal(got[0], want[0])
