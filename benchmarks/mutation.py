@@ -48,16 +48,30 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "footprint": ("ostinato/footprint.py", ["tests/test_explain.py"]),
     "engine_args": ("ostinato/engine_args.py", ["tests/test_engine_args.py"]),
     "lora_layer": ("ostinato/lora/layer.py", ["tests/test_lora_kernels.py"]),
+    "linear_plan": (
+        "ostinato/layers/linear.py",
+        ["tests/test_models.py", "tests/test_lora_kernels.py", "tests/test_gemv.py"],
+    ),
     "sampling_params": (
         "ostinato/sampling_params.py",
         ["tests/test_sampling_params_checks.py", "tests/test_sampling_params.py"],
     ),
 }
 
-# module -> the methods mutated, where a module's name is one part of its file: every mutant
-# of engine.py runs most of the engine tests, so the whole file would take hours
+# module -> the methods (or module-level functions) mutated, where a module's name is one part
+# of its file: every mutant of engine.py runs most of the engine tests, so the whole file would
+# take hours; linear.py's loaders are the loader tests' (whole checkpoints)
 METHODS: dict[str, list[str]] = {
     "engine_stop": ["_append_tokens", "_finish_reason", "_end", "abort_request"],
+    "linear_plan": [
+        "project",
+        "normed_projection",
+        "residual_projection",
+        "fuses",
+        "plan",
+        "_new_plan",
+        "_norm_first",
+    ],
 }
 
 
@@ -70,7 +84,8 @@ def main() -> None:
             print(f"{name:14} {path:40} {' '.join(tests)}{methods}")
         return
     path, tests = MODULES[sys.argv[1]]
-    names = [f"*ǁ{method}__mutmut_*" for method in METHODS.get(sys.argv[1], [])]
+    methods = METHODS.get(sys.argv[1], [])
+    names = [n for m in methods for n in (f"*ǁ{m}__mutmut_*", f"*.x_{m}__mutmut_*")]
     from mutmut import configuration
     from mutmut.__main__ import cli
 

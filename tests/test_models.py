@@ -239,7 +239,9 @@ def test_a_norm_first_plan_serves_contiguous_inputs_only(monkeypatch):
     """Where the kernel takes a normed gate|up only without its prologue, the norm kernel runs
     first, then the kernel with SiLU in its epilogue, from a plan made for x's layout: a
     strided x, whose norm comes out contiguous, keeps the unfused path (its own SiLU kernel).
-    Both equal float64 math."""
+    Both equal float64 math, and so do calls with a residual, added first (where the
+    projection before it could not add it: with tensor parallelism, o and down), norm first
+    and in the kernel's prologue."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: not normed)
     separate_silu = []
@@ -251,16 +253,41 @@ def test_a_norm_first_plan_serves_contiguous_inputs_only(monkeypatch):
     proj.weight.data.copy_(torch.randn(64, 16))
     norm.weight.data.copy_(torch.rand(16) + 0.5)
 
-    def check(x: torch.Tensor, separate: int) -> None:
-        got, stream = linear_module.normed_projection(proj, norm, x, None, silu=True)
-        xd = x.double()
+    def check(x: torch.Tensor, separate: int, residual: torch.Tensor | None = None) -> None:
+        xd = x.double() if residual is None else x.double() + residual.double()
+        got, stream = linear_module.normed_projection(proj, norm, x, residual, silu=True)
         normed = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
         gate, up = (normed @ proj.weight.double().T).chunk(2, -1)
         torch.testing.assert_close(got.double(), F.silu(gate) * up, atol=1e-4, rtol=1e-4)
-        assert stream is x and len(separate_silu) == separate
+        assert stream is x if residual is None else torch.allclose(stream.double(), xd)
+        assert len(separate_silu) == separate
 
     check(torch.randn(2, 16), 0)
     check(torch.randn(2, 48)[:, 16:32], 1)  # rows 48 apart
+    check(torch.randn(2, 16), 1, residual=torch.randn(2, 16))
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: True)
+    check(torch.randn(1, 16), 1, residual=torch.randn(1, 16))  # the add + norm in the prologue
+
+
+def test_the_kernel_adds_the_bias_before_the_residual(monkeypatch):
+    """project and residual_projection where the small-batch kernel runs (forced on the CPU,
+    interpreted) with a bias: x @ w.T + b, then + the residual, as float64 math; a residual of
+    another layout (rows 24 apart) gets a plan of its own."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: True)
+    proj = linear_module.Linear(16, 8, bias=True)
+    proj.weight.data.copy_(torch.randn(8, 16))
+    proj.bias.data.copy_(torch.randn(8))
+    for rows in (1, 3):
+        x = torch.randn(rows, 16)
+        want = x.double() @ proj.weight.double().T + proj.bias.double()
+        got = linear_module.project(x, proj.weight, proj.bias)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+        for residual in (torch.randn(rows, 8), torch.randn(rows, 24)[:, 8:16]):
+            hidden, rest = linear_module.residual_projection(proj, x, residual)
+            assert rest is None
+            want_sum = want + residual.double()
+            torch.testing.assert_close(hidden.double(), want_sum, atol=1e-4, rtol=1e-4)
 
 
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):
