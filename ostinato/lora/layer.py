@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from ostinato.context import get_forward_context
 from ostinato.kernels.lora import lora_expand, lora_shrink
-from ostinato.layers.norm import RMSNorm
 
 
 class LoRALinear(nn.Module):
@@ -46,20 +46,13 @@ class LoRALinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.base.bias
 
-    def plan(
-        self,
-        x: torch.Tensor,
-        norm: RMSNorm | None = None,
-        residual: torch.Tensor | None = None,
-        silu: bool = False,
-        add: torch.Tensor | None = None,
-    ) -> Callable | None:
-        """Linear.plan's for the fused paths (layers/linear.py): the base's own plan in a step
-        without adapters, so such a step runs as the model without LoRA does; else None (forward:
-        the base projection, the shrink beside it and the expand)."""
+    def plan(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Callable | None:
+        """Linear.plan's for the fused paths (layers/linear.py), asked with its arguments: the
+        base's own plan in a step without adapters, so such a step runs as the model without
+        LoRA does; else None (forward: the base projection, the shrink beside it, the expand)."""
         if get_forward_context().lora is not None:
             return None
-        return self.base.plan(x, norm, residual, silu, add)
+        return self.base.plan(x, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().lora
