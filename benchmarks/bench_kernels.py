@@ -1170,6 +1170,47 @@ def fp8_row_sweep_rows(copy_bw: float) -> list[list[str]]:
     return rows
 
 
+def fp8_fused_row_rows(copy_bw: float) -> list[list[str]]:
+    """FP8 weights (per-row scales) at one row through gemv.py's one-row kernel, the engine's
+    path: gemv_config's launch and a grid of others, against fp8.py's kernel in its launch."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for name, (n, k) in FP8_SHAPES.items():
+        ring = _ring(n, k, True)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        floor = (n * k + 4 * n) / copy_bw
+        old = _ring_seconds(ring, lambda w, s, x=x: fp8.fp8_gemv(x, w, s))
+        default = gemv_module.gemv_config(1, n, k, 2, sms, fp8=True)
+        configs = [default] + [
+            gemv_module.GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, w, 1)
+            for block_n in (4, 8, 16)
+            for block_k in (2048, 4096)
+            for w in (4, 8)
+            if block_n * block_k <= 32768
+        ]
+        times = {
+            c: _ring_seconds(ring, lambda w, s, c=c, x=x: gemv_module.gemv(x, w, config=c, scale=s))
+            for c in dict.fromkeys(configs)
+        }
+        best = min(times, key=times.get)
+        rows.append([
+            name, f"{floor * 1e6:.2f}", f"{old * 1e6:.2f}", f"{times[default] * 1e6:.2f}",
+            f"{floor / times[default]:.2f}", f"{old / times[default]:.2f}x",
+            f"{times[best] * 1e6:.2f}", f"{best.block_n}x{best.block_k}/{best.num_warps}w",
+            " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{t * 1e6:.2f}"
+                     for c, t in sorted(times.items(), key=lambda ct: ct[1])[:6]),
+        ])  # fmt: skip
+        del ring
+        torch.cuda.empty_cache()
+    return rows
+
+
+FP8_FUSED_ROW_HEADER = [
+    "weight", "floor µs", "fp8.py µs", "gemv.py µs", "of copy", "fp8.py / gemv.py", "best µs",
+    "best", "the six fastest",
+]  # fmt: skip
+
+
 def _gemv_short(config) -> str:
     if config.rows == 1:
         return f"fma, {config.block_n} x {config.block_k}"
@@ -1199,7 +1240,8 @@ def main() -> None:
         "projection kernel at 1-32 rows with its fusions, against cuBLAS and the unfused "
         "kernels: sets gemv.ROW_LIMITS), gemv-row-sweep (the one-row kernel's launch "
         "configurations for qwen3-30b-a3b's, qwen3-0.6b's and llama-3.1-8b's projections), "
-        "fp8-row-sweep (the FP8 kernel's launches at one row, llama-3.1-8b), "
+        "fp8-row-sweep (the FP8 kernel's launches at one row, llama-3.1-8b), fp8-row (FP8 "
+        "weights at one row through the fused one-row kernel, against the FP8 kernel), "
         "sweep (launch configurations), decode-sweep (decode "
         "attention's launch configurations at 576 and 1088 tokens of context), "
         "decode-merge (a split KV's combine launch against the merge in the attention "
@@ -1294,6 +1336,12 @@ def main() -> None:
             "## The FP8 kernel at one row: its launches (µs per call in a CUDA graph; floor: "
             "the FP8 weights read at copy bandwidth)\n\n"
             + table(ROW_SWEEP_HEADER, fp8_row_sweep_rows(copy_bw))
+        )
+    if "fp8-row" in chosen:
+        sections.append(
+            "## FP8 weights at one row through the fused one-row kernel (µs per call in a CUDA "
+            "graph; floor: the FP8 weights and scales read at copy bandwidth)\n\n"
+            + table(FP8_FUSED_ROW_HEADER, fp8_fused_row_rows(copy_bw))
         )
     if "gemv-rows" in chosen:
         projection_rows, layer_rows = gemv_by_rows(copy_bw)

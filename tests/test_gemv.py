@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from helpers import close, nan_fenced
 
 from ostinato.kernels import gemv as gemv_module
+from ostinato.kernels.fp8 import quantize_rows
 from ostinato.kernels.gemv import (
     dot_config,
     gemv,
@@ -218,3 +219,46 @@ def test_engine_takes_the_kernel_up_to_the_row_limits(monkeypatch):
 def test_gemv_is_for_cuda_tensors_only():
     w = torch.randn(32, 64)
     assert not gemv_pays(torch.randn(1, 64), w)  # CPU tensors keep F.linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_at_one_row_with_every_fusion(dtype):
+    """FP8 weights with a scale a row (--quantization fp8) through the one-row kernel: the
+    fused add + norm with a bias and SiLU-and-mul, then a residual epilogue over a second FP8
+    weight, against float64 math on the dequantised weights and the torch twin; odd K and N
+    (chunks of 128: K spans three)."""
+    k, n_out = 300, 45
+    config = GemvConfig(1, 8, 128, 384, 1, 4, 1)
+    x = nan_fenced(torch.randn(1, k).to(dtype))
+    residual = nan_fenced(torch.randn(1, k).to(dtype))
+    norm_w = nan_fenced((torch.rand(k) + 0.5).to(dtype))
+    gate_up, gate_up_scale = quantize_rows(torch.randn(2 * n_out, k) * 0.05)
+    gate_up = nan_fenced(gate_up, k + 1)
+    b = nan_fenced((torch.randn(2 * n_out) * 0.1).to(dtype))
+    down, down_scale = quantize_rows(torch.randn(n_out, n_out) * 0.1)
+    down = nan_fenced(down)
+    add = nan_fenced(torch.randn(1, n_out).to(dtype))
+    s = x.double() + residual.double()
+    w64 = gate_up.double() * gate_up_scale.double()
+    act_64 = silu_64(normed_64(s, norm_w) @ w64.T + b.double())
+    act, stream = gemv_normed(
+        x, residual, norm_w, 1e-6, gate_up, b, True, config=config, scale=gate_up_scale
+    )
+    close(stream, s, dtype)
+    close(act, act_64, dtype, scale=5)
+    out = gemv(act, down, add=add, config=config, scale=down_scale)
+    want = act.double() @ (down.double() * down_scale.double()).T + add.double()
+    close(out, want, dtype, scale=5)
+    close(gemv_torch(act, down, None, add=add, scale=down_scale), want, dtype, scale=5)
+
+
+def test_fp8_weights_at_one_row_widen_every_value_exactly():
+    """Weight row n holds every finite FP8 byte, rotated by n; x picks column 0 and the scales
+    are 1: y[n] is byte n as a value, which float32 holds exactly, subnormals included."""
+    codes = (torch.arange(256)[:, None] + torch.arange(256)[None, :]) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN bytes
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    x = torch.zeros(1, 256)
+    x[0, 0] = 1.0
+    y = gemv(x, q, scale=torch.ones(256, 1))
+    assert torch.equal(y[0], q[:, 0].float())

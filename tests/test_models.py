@@ -194,7 +194,7 @@ def test_a_decode_step_rotates_in_its_attention_launch(arch, breaks, tmp_path, m
 
 def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
     """Linear.plan asks gemv_pays once per input shape and dtype (every eager step asks it
-    once a projection), and still follows the FUSE switch and an FP8 weight."""
+    once a projection), and still follows the FUSE switch and a block-wise FP8 weight."""
     asked = []
     monkeypatch.setattr(
         linear_module, "gemv_pays", lambda x, w, n: not asked.append(x.shape) and x.dtype == w.dtype
@@ -209,8 +209,9 @@ def test_a_projection_decides_its_fusion_once_per_input_kind(monkeypatch):
     assert proj.plan(one) is None
     monkeypatch.setattr(linear_module, "FUSE", True)
     assert proj.plan(one)
-    proj.fp8 = True
-    assert proj.plan(one) is None and len(asked) == 3
+    block_wise = linear_module.Linear(8, 4)
+    block_wise.block = (128, 128)  # a block-wise FP8 checkpoint's weights: fp8.py's kernel
+    assert block_wise.plan(one) is None and len(asked) == 3
 
 
 def test_a_projection_plan_follows_the_input_layout_and_a_new_weight(monkeypatch):
@@ -288,6 +289,38 @@ def test_the_kernel_adds_the_bias_before_the_residual(monkeypatch):
             assert rest is None
             want_sum = want + residual.double()
             torch.testing.assert_close(hidden.double(), want_sum, atol=1e-4, rtol=1e-4)
+
+
+def test_an_fp8_projection_takes_the_fused_kernel_with_its_scale(monkeypatch):
+    """FP8 at load (a scale a row): at one row the projections plan the small-batch kernel
+    with their own scales bound (the add + norm and SiLU of a normed gate|up, a residual
+    epilogue), equal to fp8_linear's unfused sequence; quantising anew (a new weight) plans
+    anew."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: x.shape[0] == 1)
+    gate_up, down, norm = (
+        linear_module.Linear(16, 64), linear_module.Linear(32, 16), RMSNorm(16, 1e-6)
+    )  # fmt: skip
+    norm.weight.data.copy_(torch.rand(16) + 0.5)
+    for proj in (gate_up, down):
+        proj.weight.data.copy_(torch.randn(proj.weight.shape))
+        proj.quantize_at_load = True
+        proj.finish_loading()
+        assert proj.fp8 and proj.weight.dtype == torch.float8_e4m3fn
+    x, residual = torch.randn(1, 16), torch.randn(1, 16)
+    act, stream = linear_module.normed_projection(gate_up, norm, x, residual, silu=True)
+    hidden, rest = linear_module.residual_projection(down, act, stream)
+    assert gate_up.plan(x, norm, residual, True) is not None and rest is None
+    s = x + residual
+    want_act = linear_module.silu_and_mul(gate_up(norm(s)))
+    torch.testing.assert_close(stream, s)
+    torch.testing.assert_close(act, want_act, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, down(act) + s, atol=1e-5, rtol=1e-5)
+    down.fp8 = False
+    down.weight = torch.nn.Parameter(torch.randn(16, 32), requires_grad=False)
+    down.finish_loading()  # a new FP8 weight and scale: the plan bound to the old scale goes
+    hidden, _ = linear_module.residual_projection(down, act, stream)
+    torch.testing.assert_close(hidden, down(act) + s, atol=1e-5, rtol=1e-5)
 
 
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):

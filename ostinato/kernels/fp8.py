@@ -4,7 +4,9 @@
 Small batches (decode, up to GEMV_ROWS rows) are bound by reading the weights: a Triton kernel
 reads the FP8 bytes; K split over programs where the weight has too few rows to fill the GPU
 (see gemv_config). One row by FMAs and a sum, the weights widened in registers and x in the
-model dtype (weight-only: as exact as the dequantised reference up to the order of the sum).
+model dtype (weight-only: as exact as the dequantised reference up to the order of the sum);
+in a model, one row of per-row scales goes through gemv.py's one-row kernel instead, which
+fuses the norm, SiLU and residual around it (layers/linear.py: Linear.plan).
 2-32 rows by tl.dot on x padded to 16 or 32 rows. Numerics up to FP8_DOT_ROWS (bfloat16 and
 float16 x): x quantised to FP8 e4m3 per (row, group of X_GROUP = 128 columns, narrower where
 a block-wise checkpoint's scale blocks are), its scale the group's largest magnitude (at least

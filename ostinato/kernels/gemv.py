@@ -12,9 +12,12 @@ one kernel, and what would be separate small kernels around it runs inside it:
 - a residual epilogue: the output is the projection plus the residual stream, so the norm
   that follows reads one tensor.
 One row: every program reads a few whole weight rows with all their loads in flight, FMAs and
-a sum (_gemv_row_kernel). From DOT_ROWS rows: tl.dot on x padded to 16 or 32 rows, the tensor
-cores' smallest tile (_gemv_dot_kernel), K split over programs where the weight has too few
-rows to fill the GPU (kernels/small_batch.py, as the FP8 kernel does).
+a sum (_gemv_row_kernel); FP8 weights with a scale a row (--quantization fp8) too, widened in
+registers and each row's sum scaled, so an FP8 decode step of one request gets the same fusions
+(fp8.py's kernel serves their other small batches and block-wise checkpoints). From DOT_ROWS
+rows: tl.dot on x padded to 16 or 32 rows, the tensor cores' smallest tile (_gemv_dot_kernel),
+K split over programs where the weight has too few rows to fill the GPU
+(kernels/small_batch.py, as the FP8 kernel does).
 Every fused step rounds to the tensor dtype where the unfused kernels store, so both paths
 give the same values: with a norm, each program first takes its rows' 1/rms in a pass over the
 whole input row (from L2), then normalises each chunk as the unfused norm stores it.
@@ -76,6 +79,12 @@ PLAIN_ROW_LIMITS: tuple[tuple[int, int], ...] = (
     (MAX_WEIGHT_ELEMENTS, 32),
 )
 DOT_ROWS = 2  # from here the rows go through tl.dot
+# Warps of a one-row program over FP8 weights (8 for wider ones). On the H100, in
+# llama-3.1-8b's FP8 decode step at batch 1: 3.36-3.43 ms with 4, 3.67 with 8, 3.59 on fp8.py's
+# unfused kernels; alone, 4 weight rows x 2048 columns in 4 warps ran 1.02-1.26x faster than
+# fp8.py's kernel and within 5% of the best of a grid (qkv; the others within 0.3%)
+# (benchmarks/h100-2026-11-28-s39.md).
+FP8_ROW_WARPS = 4
 # The tl.dot rows' tiles: weight rows a program, K columns a chunk, and whether the product
 # runs swapped (weight tile @ x.T: on Hopper a wgmma with the weight rows on its M side, where
 # x @ w.T pads x's rows to the M side of an mma.sync). Swapped, x goes to the tensor cores from
@@ -107,15 +116,15 @@ def one_row_pays(n: int, k: int) -> bool:
 
 
 def gemv_pays(x: torch.Tensor, weight: torch.Tensor, normed: bool = False) -> bool:
-    """Whether this projection takes the kernel (rows_pay), normed: with a norm prologue.
-    Shapes alone decide, so a graph's eager warm-up launches the kernels its capture will
-    (graphs/capture.py relies on that)."""
-    return (
-        x.is_cuda
-        and x.dim() == 2
-        and x.dtype == weight.dtype
-        and rows_pay(x.shape[0], *weight.shape, normed)
-    )
+    """Whether this projection takes the kernel (rows_pay), normed: with a norm prologue; FP8
+    weights (with a scale a row) at one row, where one_row_pays (more rows take fp8.py's
+    kernel). Shapes alone decide, so a graph's eager warm-up launches the kernels its capture
+    will (graphs/capture.py relies on that)."""
+    if not x.is_cuda or x.dim() != 2:
+        return False
+    if weight.dtype == torch.float8_e4m3fn:
+        return x.shape[0] == 1 and one_row_pays(*weight.shape)
+    return x.dtype == weight.dtype and rows_pay(x.shape[0], *weight.shape, normed)
 
 
 def gemv(
@@ -125,13 +134,14 @@ def gemv(
     silu_and_mul: bool = False,
     add: torch.Tensor | None = None,  # [M, N or N / 2]: added to the output (a residual)
     config: GemvConfig | None = None,
+    scale: torch.Tensor | None = None,  # float32 [N, 1] where weight is FP8 (one row of x)
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias); with silu_and_mul, silu(gate) * up -> [M, N / 2]; then + add.
-    The output is a new tensor (add is only read). config: gemv_config's unless given
-    (benchmarks time others)."""
+    """x @ weight.T (+ bias), the weight times its rows' scales where it is FP8; with
+    silu_and_mul, silu(gate) * up -> [M, N / 2]; then + add. The output is a new tensor (add
+    is only read). config: gemv_config's unless given (benchmarks time others)."""
     if use_triton(x):
-        return _gemv_triton(x, weight, bias, silu_and_mul, add=add, config=config)[0]
-    return gemv_torch(x, weight, bias, silu_and_mul, add=add)
+        return _gemv_triton(x, weight, bias, silu_and_mul, add=add, config=config, scale=scale)[0]
+    return gemv_torch(x, weight, bias, silu_and_mul, add=add, scale=scale)
 
 
 def gemv_normed(
@@ -144,6 +154,7 @@ def gemv_normed(
     silu_and_mul: bool = False,
     config: GemvConfig | None = None,
     normed_out: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """(gemv(rms_norm(s), ...), s) with s = x + residual (a new tensor), or s = x without a
     residual; normed_out: rms_norm(s) (a new tensor) third, for other consumers of the norm
@@ -151,31 +162,37 @@ def gemv_normed(
     if use_triton(x):
         return _gemv_triton(
             x, weight, bias, silu_and_mul, residual, norm_weight, eps, config=config,
-            normed_out=normed_out,
+            normed_out=normed_out, scale=scale,
         )  # fmt: skip
-    return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul, normed_out)
+    return gemv_normed_torch(
+        x, residual, norm_weight, eps, weight, bias, silu_and_mul, normed_out, scale
+    )
 
 
-def gemv_torch(x, weight, bias=None, silu_and_mul=False, add=None):
+def gemv_torch(x, weight, bias=None, silu_and_mul=False, add=None, scale=None):
+    if scale is not None:  # FP8: dequantised, as fp8_linear's CPU path
+        weight = (weight.float() * scale).to(x.dtype)
     y = F.linear(x, weight, bias)
     y = silu_and_mul_torch(y) if silu_and_mul else y
     return y if add is None else y + add
 
 
 def gemv_normed_torch(
-    x, residual, norm_weight, eps, weight, bias=None, silu_and_mul=False, normed_out=False
-):
+    x, residual, norm_weight, eps, weight, bias=None, silu_and_mul=False, normed_out=False,
+    scale=None,
+):  # fmt: skip
     stream = x if residual is None else x + residual
     normed = rms_norm_torch(stream, norm_weight, eps)
-    y = gemv_torch(normed, weight, bias, silu_and_mul)
+    y = gemv_torch(normed, weight, bias, silu_and_mul, scale=scale)
     return (y, stream, normed) if normed_out else (y, stream)
 
 
 def gemv_config(
-    m: int, n_out: int, k: int, itemsize: int, sms: int, normed: bool = False
+    m: int, n_out: int, k: int, itemsize: int, sms: int, normed: bool = False, fp8: bool = False
 ) -> GemvConfig:
     """The launch configuration for m rows of x and n_out output columns (gate|up: its gate
-    rows) over K, normed: with a norm prologue; from shapes alone (fixed under a graph).
+    rows) over K, normed: with a norm prologue, fp8: FP8 weights (one row: FP8_ROW_WARPS);
+    from shapes alone (fixed under a graph).
 
     One row: K in chunks of up to 2048 columns, unrolled so all their loads issue at once, 8
     warps, and 16 weight rows a program for K up to 1024, 4 above. The H100 sweep
@@ -191,7 +208,8 @@ def gemv_config(
     if m < DOT_ROWS:
         block_k = min(2048, triton.next_power_of_2(k))
         block_n = min(16 if block_k <= 1024 else 4, triton.next_power_of_2(n_out))
-        return GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, 8, 1)
+        warps = FP8_ROW_WARPS if fp8 else 8
+        return GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, warps, 1)
     return dot_config(m, n_out, k, *(NORMED_DOT_TILE if normed else DOT_TILE), itemsize, sms)
 
 
@@ -237,17 +255,19 @@ def _activate(gate, up, cols, col_ok, bias_ptr, y_ptr, n_out, HAS_BIAS: tl.const
 
 @jit
 def _gemv_row_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, normed_ptr, n_out, K, eps,
-    stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, y_ptr, res_ptr, sum_ptr, norm_ptr, normed_ptr, scale_ptr, n_out, K,
+    eps, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, NORM: tl.constexpr, ADD_IN: tl.constexpr,
-    ADD_OUT: tl.constexpr, NORM_OUT: tl.constexpr, PDL: tl.constexpr,
+    ADD_OUT: tl.constexpr, NORM_OUT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row of x: BLOCK_N output columns per program over the whole K, unrolled in CHUNKS
     of BLOCK_K so every weight load is independent of the arithmetic and can be in flight at
     once. With SILU, column j combines weight rows j (gate) and n_out + j (up). With NORM the
     row is normalised first, by every program (after adding res_ptr's row with ADD_IN;
     program 0 stores the sum at sum_ptr, and with NORM_OUT the normalised row at normed_ptr);
-    with ADD_OUT, res_ptr's row is added to the output."""
+    with ADD_OUT, res_ptr's row is added to the output. FP8: the weights are FP8 with one
+    float32 scale a row at scale_ptr, each row's sum times its scale before the bias, as
+    fp8.py's kernel scales them."""
     stored = tl.where(tl.program_id(0) == 0, K, 0)  # the columns this program stores of a sum
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
@@ -296,6 +316,10 @@ def _gemv_row_kernel(
         gate += tl.sum(w * xc[None, :], axis=1)[None, :]
         if SILU:
             up += tl.sum(u * xc[None, :], axis=1)[None, :]
+    if FP8:
+        gate *= tl.load(scale_ptr + cols[None, :], mask=col_ok[None, :], other=0.0)
+        if SILU:
+            up *= tl.load(scale_ptr + n_out + cols[None, :], mask=col_ok[None, :], other=0.0)
     y = _activate(gate, up, cols[None, :], col_ok[None, :], bias_ptr, y_ptr, n_out, HAS_BIAS, SILU)
     if ADD_OUT:  # the projection rounds as stored, then the residual add rounds again
         y = y.to(y_ptr.dtype.element_ty).to(tl.float32) + r_out.to(tl.float32)
@@ -411,7 +435,7 @@ class GemvPlan:
 
     def __init__(
         self, x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0,
-        add=None, config=None, normed_out=False,
+        add=None, config=None, normed_out=False, scale=None,
     ):  # fmt: skip
         m, k = x.shape
         n_out = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
@@ -425,7 +449,10 @@ class GemvPlan:
         assert norm or not normed_out
         assert x.stride(1) == weight.stride(1) == 1 and weight.shape[1] == k
         assert res is None or (res.stride(1) == 1 and res.shape == (m, k if add_in else n_out))
-        config = config or gemv_config(m, n_out, k, x.element_size(), num_sms(x.device, 4), norm)
+        sms = num_sms(x.device, 4)
+        config = config or gemv_config(m, n_out, k, x.element_size(), sms, norm, scale is not None)
+        assert (scale is None) == (weight.dtype != torch.float8_e4m3fn)
+        assert scale is None or (config.rows == 1 and scale.shape == (weight.shape[0], 1))
         flags = dict(HAS_BIAS=bias is not None, SILU=silu_and_mul, NORM=norm, ADD_IN=add_in,
                      ADD_OUT=add is not None, NORM_OUT=normed_out)  # fmt: skip
         stride_r = 0 if res is None else res.stride(0)
@@ -433,15 +460,16 @@ class GemvPlan:
         stride_s = k if add_in or normed_out else x.stride(0)
         strides = (x.stride(0), weight.stride(0), stride_r, stride_s)
         if config.rows == 1:
-            self.launch = _row_launch(m, k, n_out, eps, strides, flags, config)
+            self.launch = _row_launch(m, k, n_out, eps, strides, flags, scale is not None, config)
         else:
             self.launch = _dot_launch(m, k, n_out, eps, strides, flags, config, x.dtype)
         self.rows, self.split = config.rows, config.split
         self.part_width = _part_width(n_out, silu_and_mul)
 
-    def __call__(self, x, weight, bias=None, residual=None, norm_weight=None, add=None):
+    def __call__(self, x, weight, bias=None, residual=None, norm_weight=None, add=None, scale=None):
         """-> (y, the input stream: x + residual when it adds a residual first, else x), and
-        with normed_out the normalised input third. The new tensors are contiguous, in x's
+        with normed_out the normalised input third (scale: FP8 weights' per row). The new
+        tensors are contiguous, in x's
         dtype, on its device (new_empty: the cheapest allocation from Python, about 1 µs under
         torch.empty with a dtype and device)."""
         y = x.new_empty(self.m, self.n_out)
@@ -456,7 +484,7 @@ class GemvPlan:
                 x if norm_weight is None else norm_weight,
                 x if normed is None else normed)  # fmt: skip
         if self.rows == 1:
-            launch.run(launch.grid, *head)
+            launch.run(launch.grid, *head, x if scale is None else scale)
             return outputs
         part = sem = x  # unused without a split
         if self.split > 1:
@@ -468,20 +496,25 @@ class GemvPlan:
 
 
 def gemv_plan(
-    x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None
-) -> Callable:
+    x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None,
+    scale=None,
+) -> Callable:  # fmt: skip
     """What runs calls like this gemv / gemv_normed (the same shapes, strides, dtype, device,
     fusions and eps): `plan(x, weight, bias, residual, norm_weight, add)` -> (y, stream), as
-    _gemv_triton returns. A GemvPlan where Triton runs, else the torch twins."""
+    _gemv_triton returns, FP8 weights with this scale bound. A GemvPlan where Triton runs,
+    else the torch twins."""
     if use_triton(x):
-        return GemvPlan(x, weight, bias, silu_and_mul, residual, norm_weight, eps, add)
-    return partial(_gemv_pair_torch, silu_and_mul=silu_and_mul, eps=eps)
+        plan = GemvPlan(x, weight, bias, silu_and_mul, residual, norm_weight, eps, add,
+                        scale=scale)  # fmt: skip
+    else:
+        plan = partial(_gemv_pair_torch, silu_and_mul=silu_and_mul, eps=eps)
+    return plan if scale is None else partial(plan, scale=scale)
 
 
-def _gemv_pair_torch(x, weight, bias, residual, norm_weight, add, silu_and_mul, eps):
+def _gemv_pair_torch(x, weight, bias, residual, norm_weight, add, silu_and_mul, eps, scale=None):
     if norm_weight is None:
-        return gemv_torch(x, weight, bias, silu_and_mul, add=add), x
-    return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul)
+        return gemv_torch(x, weight, bias, silu_and_mul, add=add, scale=scale), x
+    return gemv_normed_torch(x, residual, norm_weight, eps, weight, bias, silu_and_mul, scale=scale)
 
 
 _plans: dict[tuple, GemvPlan] = {}
@@ -489,23 +522,24 @@ _plans: dict[tuple, GemvPlan] = {}
 
 def _gemv_triton(
     x, weight, bias, silu_and_mul, residual=None, norm_weight=None, eps=0.0, add=None,
-    config=None, normed_out=False,
+    config=None, normed_out=False, scale=None,
 ):  # fmt: skip
     """-> (y, the input stream: x + residual when normed with a residual, else x), and with
     normed_out the normalised input."""
     res = residual if residual is not None else add
     # shapes and whole stride tuples: one call each, and everything the plan's checks and
     # launch read of them
-    key = (x.device, x.dtype, x.shape, x.stride(), weight.shape, weight.stride(),
+    key = (x.device, x.dtype, x.shape, x.stride(), weight.dtype, weight.shape, weight.stride(),
            bias is not None, silu_and_mul, norm_weight is not None, residual is not None,
            add is not None, res is not None and (res.shape, res.stride()), eps, config,
            normed_out, interpreting())  # fmt: skip
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = GemvPlan(
-            x, weight, bias, silu_and_mul, residual, norm_weight, eps, add, config, normed_out
-        )
-    return plan(x, weight, bias, residual, norm_weight, add)
+            x, weight, bias, silu_and_mul, residual, norm_weight, eps, add, config, normed_out,
+            scale,
+        )  # fmt: skip
+    return plan(x, weight, bias, residual, norm_weight, add, scale)
 
 
 def _part_width(n_out: int, silu: bool) -> int:
@@ -513,19 +547,20 @@ def _part_width(n_out: int, silu: bool) -> int:
     return n_out * (2 if silu else 1)
 
 
-def _row_launch(m, k, n_out, eps, strides, flags, config: GemvConfig) -> Launch:
+def _row_launch(m, k, n_out, eps, strides, flags, fp8, config: GemvConfig) -> Launch:
     assert m == 1 and config.split == 1 and config.span % config.block_k == 0
     pdl = pdl_options()
     return Launch(
         _gemv_row_kernel,
         (triton.cdiv(n_out, config.block_n), 1, 1),
-        num_head=8,  # x, weight, bias, y, residual, stream, norm weight, normed
+        num_head=9,  # x, weight, bias, y, residual, stream, norm weight, normed, scale
         tail=(n_out, k, eps, strides[1]),
         constexprs=dict(
             BLOCK_N=config.block_n,
             BLOCK_K=config.block_k,
             CHUNKS=config.span // config.block_k,
             **flags,
+            FP8=fp8,
             PDL=pdl["PDL"],
         ),
         num_warps=config.num_warps,

@@ -14,6 +14,8 @@ FP8 (quantization.py decides, per model): a block-wise checkpoint's weights load
 FP8 with `weight_scale_inv` [ceil(N / bn), ceil(K / bk)] (a rank holds the scale rows or
 columns of its own rows or columns, so its share must be whole blocks); FP8 at load keeps the
 model dtype while loading, then `finish_loading` quantises each row (`weight_scale` [N, 1]).
+Those per-row FP8 weights take the small-batch kernel's fused paths at one row (plan binds
+the scale); more rows, and block-wise weights, go through fp8_linear unfused.
 """
 
 from __future__ import annotations
@@ -124,9 +126,10 @@ class Linear(nn.Module):
 
     def fuses(self, x: torch.Tensor, normed: bool = False) -> bool:
         """Whether the small-batch kernel runs this projection of x, with the ops around it
-        (normed: a norm before it): asked by plan, once per kind of input, after its FUSE and
-        FP8 checks."""
-        return gemv_pays(x, self.weight, normed)
+        (normed: a norm before it): asked by plan, once per kind of input, after its FUSE
+        check. FP8 weights only with a scale a row (a block-wise checkpoint's take fp8.py's
+        kernel)."""
+        return self.block is None and gemv_pays(x, self.weight, normed)
 
     def plan(
         self,
@@ -142,7 +145,7 @@ class Linear(nn.Module):
         one, the norm kernel and then that plan (_norm_first); else None. Kept per kind of
         input and for this weight and bias (new ones get new plans): an eager step asks once
         a projection, and this key is all it builds before the plan allocates and launches."""
-        if not FUSE or self.fp8:
+        if not FUSE:
             return None
         res = residual if residual is not None else add
         key = (x.shape, x.stride(), x.dtype, x.device, None if norm is None else norm.eps, silu,
@@ -157,12 +160,16 @@ class Linear(nn.Module):
         return plan
 
     def _new_plan(self, x, norm, residual, silu, add) -> Callable | None:
+        scale = self.scale if self.fp8 else None
         if self.fuses(x, norm is not None):
             norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
-            return gemv_plan(x, self.weight, self.bias, silu, residual, norm_weight, eps, add)
+            return gemv_plan(
+                x, self.weight, self.bias, silu, residual, norm_weight, eps, add, scale
+            )
         # the norm's output is laid out as x where x is contiguous: one plan serves it
         if norm is not None and x.is_contiguous() and self.fuses(x):
-            return partial(_norm_first, norm, gemv_plan(x, self.weight, self.bias, silu))
+            plain = gemv_plan(x, self.weight, self.bias, silu, scale=scale)
+            return partial(_norm_first, norm, plain)
         return None
 
 

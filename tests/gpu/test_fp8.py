@@ -16,6 +16,8 @@ from test_quantization import (  # noqa: F401 (fixture)
 
 from ostinato.kernels import fp8
 from ostinato.kernels.fp8 import GEMV_ROWS, fp8_linear, quantize_rows, quantize_tokens
+from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
+from ostinato.layers import linear as linear_module
 
 pytestmark = pytest.mark.gpu
 
@@ -113,6 +115,74 @@ def test_fp8_dot_rows_at_llama_shapes_replay_in_a_graph_as_float64_math(name, mo
                 torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * size)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_one_row_kernel_widens_every_value_exactly(dtype):
+    """The fused one-row kernel on FP8 weights: weight row n holds every finite FP8 byte,
+    rotated by n; x picks column 0 and the scales are 1, so y[n] is byte n as a value
+    (bfloat16 holds every one): subnormals included."""
+    codes = (torch.arange(256)[:, None] + torch.arange(256)[None, :]) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0  # the NaN bytes
+    q = codes.to(torch.uint8).view(torch.float8_e4m3fn).cuda()
+    x = torch.zeros(1, 256, dtype=dtype, device="cuda")
+    x[0, 0] = 1.0
+    assert gemv_pays(x, q) and not gemv_pays(x.expand(2, 256), q)
+    y = gemv(x, q, scale=torch.ones(256, 1, device="cuda"))
+    assert torch.equal(y[0].float(), q[:, 0].float())
+
+
+def _rounded_norm(s, norm_w):
+    """rms_norm in float64, rounded to bfloat16 as the kernel's prologue stores it."""
+    normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w.double()
+    return normed.bfloat16().double()
+
+
+def test_fused_fp8_one_row_at_llama_shapes_replays_as_float64_math():
+    """llama-3.1-8b's FP8 projections (a scale a row) at one row, each with the fusion the
+    decode step gives it (qkv and gate|up with the add + norm in their prologue, gate|up's
+    SiLU, o and down adding the residual), captured in a CUDA graph and replayed, against
+    float64 math on the dequantised weights within bfloat16 rounding."""
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(1, 4096, generator=g).bfloat16().cuda()
+    residual = torch.randn(1, 4096, generator=g).bfloat16().cuda()
+    norm_w = (torch.rand(4096, generator=g) + 0.5).bfloat16().cuda()
+    weights = {}
+    for name, (n, k) in LLAMA_8B.items():
+        q, scale = quantize_rows(torch.randn(n, k, generator=g) * 0.02)
+        weights[name] = (q.cuda(), scale.cuda(), q.double().cuda() * scale.double().cuda())
+    act_in = torch.randn(1, 14336, generator=g).bfloat16().cuda()
+
+    def step():
+        qkv, stream = gemv_normed(hidden, residual, norm_w, 1e-6, weights["qkv"][0],
+                                  scale=weights["qkv"][1])  # fmt: skip
+        act, _ = gemv_normed(hidden, residual, norm_w, 1e-6, weights["gate|up"][0], None,
+                             True, scale=weights["gate|up"][1])  # fmt: skip
+        o = gemv(hidden, weights["o"][0], add=residual, scale=weights["o"][1])
+        down = gemv(act_in, weights["down"][0], add=residual, scale=weights["down"][1])
+        return qkv, stream, act, o, down
+
+    step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    s = hidden.double() + residual.double()
+    normed = _rounded_norm(s, norm_w)
+    gate, up = (normed @ weights["gate|up"][2].T).chunk(2, dim=-1)
+    wants = (
+        normed @ weights["qkv"][2].T,
+        s,
+        torch.nn.functional.silu(gate.bfloat16().double()) * up.bfloat16().double(),
+        hidden.double() @ weights["o"][2].T + residual.double(),
+        act_in.double() @ weights["down"][2].T + residual.double(),
+    )
+    for _ in range(2):
+        for out in outs:
+            out.zero_()
+        graph.replay()
+        for out, want in zip(outs, wants, strict=True):
+            size = want.abs().max().item()
+            torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * size)
+
+
 def test_fp8_linear_is_capturable_and_replays_equal():
     for rows, k, blockwise in ((1, 512, False), (1, 8192, False), (4, 512, True),
                                (32, 4096, False), (64, 512, False), (64, 512, True)):  # fmt: skip
@@ -152,6 +222,23 @@ def every_mode_equals_eager(model, exact: bool = True, **kw):
 def test_fp8_at_load_every_mode_passes_the_checker_in_bfloat16(checkpoint):
     """bfloat16: the GEMV, and _scaled_mm for the larger padded batches."""
     every_mode_equals_eager(checkpoint, exact=False, quantization="fp8", dtype="bfloat16")
+
+
+def test_fp8_at_load_every_mode_equals_eager_in_float32(checkpoint):
+    """float32, tokens equal: the fused one-row kernel on FP8 weights (the workload's last
+    request decodes alone), fp8.py's kernel for the other small batches."""
+    every_mode_equals_eager(checkpoint, quantization="fp8")
+
+
+def test_fp8_fused_one_row_equals_the_unfused_kernels(checkpoint, monkeypatch):
+    """Eager float32, FP8 at load: the fused paths (the one-row kernel with the norms, SiLU
+    and residual adds) give the tokens of the unfused sequence (norm kernels, fp8.py's kernel,
+    the SiLU kernel, the residual adds)."""
+    monkeypatch.setattr(linear_module, "FUSE", False)
+    unfused = mixed_workload(engine(checkpoint, "none", quantization="fp8"))
+    gc.collect()
+    monkeypatch.setattr(linear_module, "FUSE", True)
+    assert mixed_workload(engine(checkpoint, "none", quantization="fp8")) == unfused
 
 
 def test_block_wise_fp8_checkpoint_every_mode_matches_eager(fp8_pair):  # noqa: F811

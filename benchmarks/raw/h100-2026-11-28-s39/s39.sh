@@ -1,0 +1,39 @@
+#!/bin/bash
+# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0; f = m + FP8 weights (a scale a row)
+# through gemv.py's fused one-row kernel (norm prologue, SiLU, residual epilogue), the weights widened by
+# FP8_WIDEN: 1 cvt (Triton's conversion), 2 bits (integer ops in Triton), 3 asm (prmt/shr/and in inline PTX))
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
+lat() {  # TREE WIDEN ARGS...: one pinned bench latency run, tagged with its tree and widening
+  local tree=$1 widen=$2; shift 2
+  (cd .gpu/$tree && timeout ${LAT_S:-150} taskset -c 8-11 python3 -c "import sys
+if sys.argv[1] != '-':
+    import ostinato.kernels.gemv as g; g.FP8_ROW_WARPS = int(sys.argv[1])
+sys.argv = ['ostinato'] + sys.argv[2:]
+from ostinato.cli import main; main()" $widen bench latency --json --output-len 64 --iters 3 \
+    --max-model-len 2048 "$@" 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$tree\", \"widen\": \"$widen\", |" | tee -a $OUT/latency.jsonl |
+    grep -o '"tree[^,]*\|"widen[^,]*\|"quantization[^,]*\|"batch_size[^,]*\|"tpot_ms[^,]*\|"ratio_to_floor[^,]*' | paste -sd' ' | sed 's/"tree/\n"tree/g')
+}
+tests() {  # TREE TIMEOUT PYTEST-ARGS...
+  local tree=$1 limit=$2; shift 2
+  (cd .gpu/$tree && timeout $limit python3 -m pytest "$@" -q -p no:cacheprovider -o addopts="" -rs --durations=6 2>&1 |
+    tee -a $OUT/gpu-$tree.log | tail -n 14)
+}
+case $1 in
+a)  # f: the FP8 one-row tests (every widening), then the kernels: each widening's launches against fp8.py's kernel
+  tests f 200 tests/gpu/test_fp8.py -k "one_row or fused" -x
+  (cd .gpu/f && timeout 330 python3 benchmarks/bench_kernels.py --sections fp8-row --out $OUT/fp8-row.md 2>>$OUT/err.txt | tail -n 20)
+  ;;
+b)  # FP8 llama-3.1-8b decode: m against f in each widening, batch 1 and 32
+  for run in "m -" "f 8" "f 4" "m -" "f 4"; do LAT_S=110 lat $run --model random:llama-3.1-8b --quantization fp8 --input-len 128 --batch-size 1,32; done
+  ;;
+c)  # f (cvt only, 4 warps at one row of FP8): every FP8 GPU test; the small-batch kernels and the engine's oracle and modes
+  tests f 220 tests/gpu/test_fp8.py
+  tests f 330 tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -k "gemv or oracle_float32 or every_mode"
+  ;;
+d)  # f as committed: FP8 at one row, its launches against fp8.py's kernel; llama-3.1-8b FP8 decode at batch 1, m and f interleaved
+  (cd .gpu/f && timeout 240 python3 benchmarks/bench_kernels.py --sections fp8-row --out $OUT/fp8-row-final.md 2>>$OUT/err.txt | tail -n 8)
+  for run in "m -" "f -" "m -" "f -"; do LAT_S=90 lat $run --model random:llama-3.1-8b --quantization fp8 --input-len 128 --batch-size 1; done
+  ;;
+esac
