@@ -1,5 +1,5 @@
 #!/bin/bash
-# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0; f = m + FP8 weights (a scale a row)
+# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0; w = 2f578e6 + ROW_WARPS; f = m + FP8 weights (a scale a row)
 # through gemv.py's fused one-row kernel (norm prologue, SiLU, residual epilogue), the weights widened by
 # FP8_WIDEN: 1 cvt (Triton's conversion), 2 bits (integer ops in Triton), 3 asm (prmt/shr/and in inline PTX))
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -9,7 +9,7 @@ lat() {  # TREE WIDEN ARGS...: one pinned bench latency run, tagged with its tre
   local tree=$1 widen=$2; shift 2
   (cd .gpu/$tree && timeout ${LAT_S:-150} taskset -c 8-11 python3 -c "import sys
 if sys.argv[1] != '-':
-    import ostinato.kernels.gemv as g; g.FP8_ROW_WARPS = int(sys.argv[1])
+    import ostinato.kernels.gemv as g; g.ROW_WARPS = int(sys.argv[1])
 sys.argv = ['ostinato'] + sys.argv[2:]
 from ostinato.cli import main; main()" $widen bench latency --json --output-len 64 --iters 3 \
     --max-model-len 2048 "$@" 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$tree\", \"widen\": \"$widen\", |" | tee -a $OUT/latency.jsonl |
@@ -35,5 +35,10 @@ c)  # f (cvt only, 4 warps at one row of FP8): every FP8 GPU test; the small-bat
 d)  # f as committed: FP8 at one row, its launches against fp8.py's kernel; llama-3.1-8b FP8 decode at batch 1, m and f interleaved
   (cd .gpu/f && timeout 240 python3 benchmarks/bench_kernels.py --sections fp8-row --out $OUT/fp8-row-final.md 2>>$OUT/err.txt | tail -n 8)
   for run in "m -" "f -" "m -" "f -"; do LAT_S=90 lat $run --model random:llama-3.1-8b --quantization fp8 --input-len 128 --batch-size 1; done
+  ;;
+e)  # w = 2f578e6 + gemv.ROW_WARPS (the one-row kernel's warps over bf16 weights) set per run: 8 (as landed) against 4, batch 1
+  for warps in 8 4 8 4; do LAT_S=80 lat w $warps --model random:qwen3-0.6b --input-len 512 --batch-size 1; done
+  for warps in 8 4; do LAT_S=90 lat w $warps --model random:llama-3.1-8b --input-len 128 --batch-size 1; done
+  for warps in 8 4; do LAT_S=150 lat w $warps --model random:qwen3-30b-a3b --input-len 128 --batch-size 1; done
   ;;
 esac
