@@ -1,5 +1,5 @@
 #!/bin/bash
-# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0; w = 2f578e6 + ROW_WARPS; f = m + FP8 weights (a scale a row)
+# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0 (ec6cd35 in stage g); w = 2f578e6 + ROW_WARPS; L = ec6cd35 + LoRA at one row fused; f = m + FP8 weights (a scale a row)
 # through gemv.py's fused one-row kernel (norm prologue, SiLU, residual epilogue), the weights widened by
 # FP8_WIDEN: 1 cvt (Triton's conversion), 2 bits (integer ops in Triton), 3 asm (prmt/shr/and in inline PTX))
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -13,7 +13,7 @@ if sys.argv[1] != '-':
 sys.argv = ['ostinato'] + sys.argv[2:]
 from ostinato.cli import main; main()" $widen bench latency --json --output-len 64 --iters 3 \
     --max-model-len 2048 "$@" 2>>$OUT/err.txt | sed "s|^{|{\"tree\": \"$tree\", \"widen\": \"$widen\", |" | tee -a $OUT/latency.jsonl |
-    grep -o '"tree[^,]*\|"widen[^,]*\|"quantization[^,]*\|"batch_size[^,]*\|"tpot_ms[^,]*\|"ratio_to_floor[^,]*' | paste -sd' ' | sed 's/"tree/\n"tree/g')
+    grep -o '"tree[^,]*\|"widen[^,]*\|"quantization[^,]*\|"num_loras[^,]*\|"batch_size[^,]*\|"tpot_ms[^,]*\|"ratio_to_floor[^,]*' | paste -sd' ' | sed 's/"tree/\n"tree/g')
 }
 tests() {  # TREE TIMEOUT PYTEST-ARGS...
   local tree=$1 limit=$2; shift 2
@@ -40,5 +40,15 @@ e)  # w = 2f578e6 + gemv.ROW_WARPS (the one-row kernel's warps over bf16 weights
   for warps in 8 4 8 4; do LAT_S=80 lat w $warps --model random:qwen3-0.6b --input-len 512 --batch-size 1; done
   for warps in 8 4; do LAT_S=90 lat w $warps --model random:llama-3.1-8b --input-len 128 --batch-size 1; done
   for warps in 8 4; do LAT_S=150 lat w $warps --model random:qwen3-30b-a3b --input-len 128 --batch-size 1; done
+  ;;
+g)  # L = ec6cd35 + LoRA at one row keeping the base's fusions (the shrink normalises in its prologue, the expand applies SiLU): the LoRA GPU tests; LoRA batch-1 decode, m (= ec6cd35) and L interleaved
+  tests L 250 tests/gpu/test_lora.py -x
+  for tree in m L L m; do LAT_S=90 lat $tree - --model random:llama-3.1-8b --input-len 128 --batch-size 1 \
+    --num-loras 0,1 --lora-rank 16 --max-loras 4 --max-lora-rank 16; done
+  ;;
+h)  # the kernels of LoRA batch-1 decode steps (one adapter), m and L (profile_step's step-kernels section)
+  for tree in m L; do (cd .gpu/$tree && timeout 120 python3 benchmarks/profile_step.py --model random:llama-3.1-8b \
+    --modes full_and_piecewise --batch-sizes 1 --num-loras 1 --sections step-kernels --steps 8 --label $tree \
+    --json $OUT/prof.jsonl 2>>$OUT/err.txt | tail -n 25 | tee $OUT/prof-$tree.txt); done
   ;;
 esac
