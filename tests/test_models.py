@@ -321,6 +321,11 @@ def test_an_fp8_projection_takes_the_fused_kernel_with_its_scale(monkeypatch):
     down.finish_loading()  # a new FP8 weight and scale: the plan bound to the old scale goes
     hidden, _ = linear_module.residual_projection(down, act, stream)
     torch.testing.assert_close(hidden, down(act) + s, atol=1e-5, rtol=1e-5)
+    # where the kernel refused the norm in its prologue: the norm kernel, then the plain plan
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: not normed)
+    gate_up._plans = (None, None, {})
+    act, _ = linear_module.normed_projection(gate_up, norm, x, residual, silu=True)
+    torch.testing.assert_close(act, want_act, atol=1e-5, rtol=1e-5)
 
 
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):

@@ -46,6 +46,7 @@ from ostinato.kernels.small_batch import (
     GemvConfig,
     arrive,
     gather,
+    input_chunk,
     load_weights,
     split_span,
 )
@@ -226,17 +227,6 @@ def dot_config(
 
 
 @jit
-def _input_chunk(x_ptrs, r_ptrs, mask, ADD_IN: tl.constexpr):
-    """A chunk of the input rows as the unfused kernels store it: x, or x + residual rounded
-    to the dtype."""
-    x = tl.load(x_ptrs, mask=mask, other=0.0)
-    if ADD_IN:
-        r = tl.load(r_ptrs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@jit
 def _activate(gate, up, cols, col_ok, bias_ptr, y_ptr, n_out, HAS_BIAS: tl.constexpr,
               SILU: tl.constexpr):  # fmt: skip
     """The projection's output columns cols from the float32 products (gate only without
@@ -288,7 +278,7 @@ def _gemv_row_kernel(
         squares = tl.zeros([BLOCK_K], tl.float32)
         for c in tl.static_range(CHUNKS):
             kk = c * BLOCK_K + k
-            xc = _input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN)
+            xc = input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN)
             if ADD_IN:
                 tl.store(sum_ptr + kk, xc, mask=kk < stored)
             xc = xc.to(tl.float32)
@@ -306,7 +296,7 @@ def _gemv_row_kernel(
             if SILU:
                 u = tl.load(w_rows + n_out * stride_wn + kk[None, :], mask=ok, other=0.0)
                 u = u.to(tl.float32)
-        xc = _input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN).to(tl.float32)
+        xc = input_chunk(x_ptr + kk, res_ptr + kk, kk < K, ADD_IN).to(tl.float32)
         if NORM:  # rounded as the unfused norm stores its output
             g = tl.load(norm_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             xc = (xc * rstd * g).to(x_ptr.dtype.element_ty)
@@ -379,7 +369,7 @@ def _gemv_dot_kernel(
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
             x_ok = row_ok[:, None] if EVEN else row_ok[:, None] & (kk < K)[None, :]
-            xf = _input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
+            xf = input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
             xf = xf.to(tl.float32)
             squares += xf * xf
         rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
@@ -389,7 +379,7 @@ def _gemv_dot_kernel(
     for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
         kk = k0 + k
         x_ok = row_ok[:, None] if EVEN else row_ok[:, None] & (kk < K)[None, :]
-        xc = _input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
+        xc = input_chunk(x_rows + kk[None, :], r_rows + kk[None, :], x_ok, ADD_IN)
         stored = tl.where(tile == 0, x_ok, False)  # (the interpreter's & gives integers)
         if ADD_IN:
             tl.store(sum_ptr + rows[:, None] * stride_sm + kk[None, :], xc, mask=stored)

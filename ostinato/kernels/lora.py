@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ostinato.context import LoRAMetadata
+from ostinato.kernels.activation import silu_and_mul_torch
 from ostinato.kernels.dispatch import (
     SPLIT_COUNTS,
     interpreting,
@@ -38,20 +39,30 @@ from ostinato.kernels.dispatch import (
     use_triton,
 )
 from ostinato.kernels.launch import Launch
-from ostinato.kernels.small_batch import arrive, gather
+from ostinato.kernels.small_batch import arrive, gather, input_chunk
 
 # the shrink's last split sums the partials, so expand reads one [T, shards * R] (an A/B switch
 # for benches: else every expand program reads all SPLIT partials of its tokens)
 SUM_SPLITS = True
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, ranks: torch.Tensor, meta: LoRAMetadata):
+def lora_shrink(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    ranks: torch.Tensor,
+    meta: LoRAMetadata,
+    norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None,
+):
     """x [T, K], a [slots, shards * R, K] -> float32 partial sums [splits, T, shards * R] (one
     split, the whole sum, with SUM_SPLITS); rows of tokens outside every group are left
-    unwritten."""
+    unwritten. norm (residual or None, norm weight, eps), for a projection that takes its
+    norm in its prologue: of rms_norm(x + residual) up to its one scale a token, 1/rms, which
+    the expand applies (norm_eps): the sums are of s * weight, s = x + residual rounded as the
+    fused add + norm kernel stores it, and a last column holds the mean of s^2 (each split its
+    part), from the same pass over s, so the shrink reads its input once."""
     if use_triton(x):
-        return _shrink_triton(x, a, ranks, meta)
-    return lora_shrink_torch(x, a, ranks, meta)
+        return _shrink_triton(x, a, ranks, meta, norm)
+    return lora_shrink_torch(x, a, ranks, meta, norm)
 
 
 def lora_expand(
@@ -61,13 +72,37 @@ def lora_expand(
     offsets: tuple[int, ...],
     y: torch.Tensor,
     meta: LoRAMetadata,
+    norm_eps: float | None = None,
 ) -> None:
     """y [T, N] += the adapter term of every grouped token; partials from lora_shrink, b
-    [slots, N, R]; shard s owns columns offsets[s]:offsets[s + 1] (at most 3 shards)."""
+    [slots, N, R]; shard s owns columns offsets[s]:offsets[s + 1] (at most 3 shards).
+    norm_eps: the shrink's norm's eps; each token's sums then times its 1/rms."""
     if use_triton(y):
-        _expand_triton(partials, b, ranks, offsets, y, meta)
+        _expand_triton(partials, b, ranks, offsets, y, meta, norm_eps)
     else:
-        lora_expand_torch(partials, b, ranks, offsets, y, meta)
+        lora_expand_torch(partials, b, ranks, offsets, y, meta, norm_eps)
+
+
+def lora_expand_silu(
+    partials: torch.Tensor,
+    b: torch.Tensor,
+    ranks: torch.Tensor,
+    offsets: tuple[int, int, int],
+    y: torch.Tensor,
+    meta: LoRAMetadata,
+    norm_eps: float | None = None,
+) -> torch.Tensor:
+    """A merged gate|up's output y [T, 2I] (gate, then up; y is only read) plus the adapter
+    term (norm_eps as lora_expand's), then SiLU-and-mul -> a new [T, I], each sum rounded to
+    y's dtype first, as lora_expand and the SiLU kernel would store them. For steps whose every
+    token has an adapter (one row): the rows of tokens outside every group are left
+    unwritten."""
+    assert len(offsets) == 3 and offsets[1] * 2 == offsets[2] == y.shape[1]
+    if use_triton(y):
+        return _expand_silu_triton(partials, b, ranks, offsets, y, meta, norm_eps)
+    out = y.clone()
+    lora_expand_torch(partials, b, ranks, offsets, out, meta, norm_eps)
+    return silu_and_mul_torch(out)
 
 
 def _groups(meta: LoRAMetadata):
@@ -78,16 +113,24 @@ def _groups(meta: LoRAMetadata):
             yield slot, meta.token_indices[start : start + count].long()
 
 
-def lora_shrink_torch(x, a, ranks, meta):
-    partials = torch.zeros(1, x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+def lora_shrink_torch(x, a, ranks, meta, norm=None):
+    width = a.shape[1] + (norm is not None)
+    partials = torch.zeros(1, x.shape[0], width, dtype=torch.float32, device=x.device)
+    if norm is not None:
+        residual, weight, _ = norm
+        s = (x if residual is None else x + residual).float()
+        partials[0, :, -1] = s.pow(2).mean(-1)
+        x = (s * weight.float()).to(x.dtype)  # rounded as the kernel takes it to the dot
     for slot, tokens in _groups(meta):
-        partials[0, tokens] = x[tokens].float() @ a[slot].float().T
+        partials[0, tokens, : a.shape[1]] = x[tokens].float() @ a[slot].float().T
     return partials
 
 
-def lora_expand_torch(partials, b, ranks, offsets, y, meta):
+def lora_expand_torch(partials, b, ranks, offsets, y, meta, norm_eps=None):
     rank_max = b.shape[2]
     summed = partials.sum(dim=0)
+    if norm_eps is not None:
+        summed = summed * torch.rsqrt(summed[:, -1:] + norm_eps)
     for slot, tokens in _groups(meta):
         for s, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:], strict=True)):
             part = summed[tokens, s * rank_max : (s + 1) * rank_max].to(b.dtype).float()
@@ -102,13 +145,17 @@ def lora_expand_torch(partials, b, ranks, offsets, y, meta):
 @jit(do_not_specialize=["num_shards"])  # one compiled variant for every projection
 def _shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr, sem_ptr,
-    K, num_shards, stride_x, stride_a, stride_split, stride_out,
+    res_ptr, norm_ptr, K, num_shards, stride_x, stride_a, stride_split, stride_out, stride_r,
     R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SUM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SUM: tl.constexpr, NORM: tl.constexpr,
+    ADD_IN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (token tile * SPLIT, shard, group): one split of K for BLOCK_M tokens of a group.
     SUM: the last split of each (tile, shard, group) to finish sums the SPLIT partials in split
-    order into split 0's place (kernels/small_batch.py's count at sem_ptr)."""
+    order into split 0's place (kernels/small_batch.py's count at sem_ptr). NORM: of each
+    token's s * weight (weight at norm_ptr; s = x, plus res_ptr's row with ADD_IN), and shard
+    0's programs store their split's part of mean(s^2) in column num_shards * R (which the
+    last of them sums with SUM; shard 0 runs at rank 0 too, for it)."""
     tile = tl.program_id(0) // SPLIT
     split = tl.program_id(0) % SPLIT
     shard = tl.program_id(1)
@@ -119,7 +166,7 @@ def _shrink_kernel(
     if tile * BLOCK_M >= count:
         return
     rank = tl.load(ranks_ptr + slot * num_shards + shard)
-    if rank == 0:
+    if rank == 0 and (not NORM or shard != 0):
         return
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < count
@@ -133,40 +180,54 @@ def _shrink_kernel(
     if PDL:  # the first tile of A came in while the kernel before ran; x is its output
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    x_rows = x_ptr + token[:, None] * stride_x
+    r_rows = res_ptr + token[:, None] * stride_r
+    squares = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for k0 in range(k_lo, tl.minimum(k_lo + span, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         if k0 != k_lo:
             at = tl.load(a_rows + k[:, None], mask=(r < rank)[None, :] & k_ok[:, None], other=0.0)
-        xt = tl.load(
-            x_ptr + token[:, None] * stride_x + k[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        ok = row_ok[:, None] & k_ok[None, :]
+        xt = input_chunk(x_rows + k[None, :], r_rows + k[None, :], ok, ADD_IN)
+        if NORM:
+            xf = xt.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            g = tl.load(norm_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            xt = (xf * g[None, :]).to(xt.dtype)
         acc += tl.dot(xt, at, input_precision=PRECISION)
     out = out_ptr + token[:, None] * stride_out + (shard * R + r)[None, :]
     ok = row_ok[:, None] & (r < R)[None, :]
     tl.store(out + split * stride_split, acc, mask=ok)
+    mean_sq = out_ptr + token * stride_out + num_shards * R
+    if NORM:
+        sq_ok = tl.where(shard == 0, row_ok, False)
+        tl.store(mean_sq + split * stride_split, squares / K, mask=sq_ok)
     if SUM:
         tiles = tl.num_programs(0) // SPLIT
         sem = sem_ptr + (group * tl.num_programs(1) + shard) * tiles + tile
         last = arrive(sem, SPLIT)
         ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
         tl.store(out, gather(out, stride_split, ok, SPLIT), mask=ok)
+        if NORM:
+            sq_ok = tl.where(last, sq_ok, False)
+            tl.store(mean_sq, gather(mean_sq, stride_split, sq_ok, SPLIT), mask=sq_ok)
         tl.store(sem, 0, mask=last)
 
 
 @jit(do_not_specialize=["num_shards"])
 def _expand_kernel(
     p_ptr, b_ptr, ranks_ptr, y_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr,
-    end_0, end_1, end_2, n_tiles, num_shards, stride_split, stride_p, stride_b, stride_y,
+    end_0, end_1, end_2, n_tiles, num_shards, stride_split, stride_p, stride_b, stride_y, eps,
     R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (token tile * n_tiles, shard, group): BLOCK_N output columns of one shard for
     BLOCK_M tokens of a group; the SPLIT partials are summed here. Shard s ends at column
-    end_s and starts where the one before it ends."""
+    end_s and starts where the one before it ends. NORM: each token's sums times its 1/rms
+    (_inv_rms)."""
     tile_m = tl.program_id(0) // n_tiles
     tile_n = tl.program_id(0) % n_tiles
     shard = tl.program_id(1)
@@ -205,11 +266,77 @@ def _expand_kernel(
         mask=row_ok[None, :, None] & r_ok[None, None, :],
         other=0.0,
     )
+    part = tl.sum(p, axis=0)
+    if NORM:
+        part *= _inv_rms(p_ptr, sp, token, row_ok, num_shards * R, stride_split, stride_p, eps)
     y = y_ptr + token[:, None] * stride_y + n[None, :]
     mask = row_ok[:, None] & n_ok[None, :]
     out = tl.load(y, mask=mask, other=0.0).to(tl.float32)
-    out += tl.dot(tl.sum(p, axis=0).to(bt.dtype), bt, input_precision=PRECISION)
+    out += tl.dot(part.to(bt.dtype), bt, input_precision=PRECISION)
     tl.store(y, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _inv_rms(p_ptr, sp, token, row_ok, column, stride_split, stride_p, eps):
+    """[BLOCK_M, 1]: 1/rms of each token's normed input, from the mean squares the shrink
+    left in `column` of its partials (summed over the splits here)."""
+    mean_sq = tl.load(p_ptr + sp[:, None] * stride_split + token[None, :] * stride_p + column,
+                      mask=row_ok[None, :], other=0.0)  # fmt: skip
+    return tl.rsqrt(tl.sum(mean_sq, axis=0) + eps)[:, None]
+
+
+@jit(do_not_specialize=["num_shards"])
+def _expand_silu_kernel(
+    p_ptr, b_ptr, ranks_ptr, y_ptr, act_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr,
+    half, n_tiles, num_shards, stride_split, stride_p, stride_b, stride_y, stride_act, eps,
+    R: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Grid (token tile * n_tiles, 1, group): BLOCK_N columns of act for BLOCK_M tokens of a
+    group, from gate column n and up column half + n of y, each plus its shard's adapter term
+    (none where the adapter leaves that shard alone: every program stores its act). NORM as
+    _expand_kernel's."""
+    tile_m = tl.program_id(0) // n_tiles
+    n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    group = tl.program_id(2)
+    count = tl.load(counts_ptr + group)
+    slot = tl.load(slots_ptr + group).to(tl.int64)
+    start = tl.load(starts_ptr + group)
+    if tile_m * BLOCK_M >= count:
+        return
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    n_ok = n < half
+    gate_ok = r < tl.load(ranks_ptr + slot * num_shards)
+    up_ok = r < tl.load(ranks_ptr + slot * num_shards + 1)
+    b_cols = b_ptr + slot * stride_b + n[None, :] * R + r[:, None]
+    b_gate = tl.load(b_cols, mask=gate_ok[:, None] & n_ok[None, :], other=0.0)
+    b_up = tl.load(b_cols + half * R, mask=up_ok[:, None] & n_ok[None, :], other=0.0)
+    if PDL:  # B came in while the kernel before ran; the partials and y are written in-step
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    sp = tl.arange(0, SPLIT)
+    p = p_ptr + sp[:, None, None] * stride_split + token[None, :, None] * stride_p
+    p_gate = tl.load(p + r[None, None, :], mask=row_ok[None, :, None] & gate_ok[None, None, :],
+                     other=0.0)  # fmt: skip
+    p_up = tl.load(p + (R + r)[None, None, :], mask=row_ok[None, :, None] & up_ok[None, None, :],
+                   other=0.0)  # fmt: skip
+    part_gate, part_up = tl.sum(p_gate, axis=0), tl.sum(p_up, axis=0)
+    if NORM:
+        inv_rms = _inv_rms(p_ptr, sp, token, row_ok, num_shards * R, stride_split, stride_p, eps)
+        part_gate, part_up = part_gate * inv_rms, part_up * inv_rms
+    y = y_ptr + token[:, None] * stride_y + n[None, :]
+    mask = row_ok[:, None] & n_ok[None, :]
+    dtype = y_ptr.dtype.element_ty
+    gate = tl.load(y, mask=mask, other=0.0).to(tl.float32)
+    gate += tl.dot(part_gate.to(b_gate.dtype), b_gate, input_precision=PRECISION)
+    up = tl.load(y + half, mask=mask, other=0.0).to(tl.float32)
+    up += tl.dot(part_up.to(b_up.dtype), b_up, input_precision=PRECISION)
+    gate = gate.to(dtype).to(tl.float32)  # each rounded as lora_expand stores it
+    act = gate * tl.sigmoid(gate) * up.to(dtype).to(tl.float32)
+    tl.store(act_ptr + token[:, None] * stride_act + n[None, :], act.to(dtype), mask=mask)
 
 
 def _block_m(num_tokens: int, block_r: int) -> int:
@@ -250,7 +377,7 @@ def _block_k(block_r: int, itemsize: int) -> int:
     return max(16, min(128, 16384 // (block_r * itemsize)))
 
 
-def _shrink_triton(x, a, ranks, meta):
+def _shrink_triton(x, a, ranks, meta, norm):
     num_tokens, k = x.shape
     slots, width, _ = a.shape
     shards = ranks.shape[1]
@@ -262,23 +389,29 @@ def _shrink_triton(x, a, ranks, meta):
     sums = SUM_SPLITS and tiles * shards * meta.num_active <= SPLIT_COUNTS
     split = _splits(x, shards, block_r, block_k, sums)
     summed = sums and split > 1
-    out = torch.empty(split, num_tokens, width, dtype=torch.float32, device=x.device)
+    out = torch.empty(split, num_tokens, width + (norm is not None), dtype=torch.float32,
+                      device=x.device)  # fmt: skip
     if num_tokens == 0:
         return out
     assert x.stride(1) == 1 and a.is_contiguous()
     grid = (tiles * split, shards, meta.num_active)
     # its own counts: lora/layer.py runs the shrink on a side stream, beside the projection
     sem = split_counts(x.device, "LoRA shrink", side=True) if summed else x
-    tail = (k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1))
+    residual, norm_weight, _ = norm if norm is not None else (None, None, None)
+    assert residual is None or (residual.shape == x.shape and residual.stride(1) == 1)
+    stride_r = 0 if residual is None else residual.stride(0)
+    tail = (k, shards, x.stride(0), a.stride(0), out.stride(0), out.stride(1), stride_r)
     constexprs = dict(R=rank_max, SPLIT=split, BLOCK_M=block_m, BLOCK_R=block_r,
-                      BLOCK_K=block_k, PRECISION=_precision(x.dtype), SUM=summed)  # fmt: skip
-    _launch(_shrink_kernel, grid, tail, constexprs, num_head=9).run(
-        grid, x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts, sem
-    )
+                      BLOCK_K=block_k, PRECISION=_precision(x.dtype), SUM=summed,
+                      NORM=norm is not None, ADD_IN=residual is not None)  # fmt: skip
+    _launch(_shrink_kernel, grid, tail, constexprs, num_head=11).run(
+        grid, x, a, ranks, out, meta.token_indices, meta.slots, meta.starts, meta.counts, sem,
+        x if residual is None else residual, x if norm_weight is None else norm_weight,
+    )  # fmt: skip
     return out[:1] if summed else out
 
 
-def _expand_triton(partials, b, ranks, offsets, y, meta):
+def _expand_triton(partials, b, ranks, offsets, y, meta, norm_eps):
     num_tokens = y.shape[0]
     if num_tokens == 0:
         return
@@ -292,12 +425,36 @@ def _expand_triton(partials, b, ranks, offsets, y, meta):
     block_m = _block_m(num_tokens, block_r)
     grid = (triton.cdiv(num_tokens, block_m) * n_tiles, shards, meta.num_active)
     tail = (*ends, n_tiles, shards, partials.stride(0), partials.stride(1), b.stride(0),
-            y.stride(0))  # fmt: skip
+            y.stride(0), 0.0 if norm_eps is None else norm_eps)  # fmt: skip
     constexprs = dict(R=rank_max, SPLIT=partials.shape[0], BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
-                      BLOCK_R=block_r, PRECISION=_precision(y.dtype))  # fmt: skip
+                      BLOCK_R=block_r, PRECISION=_precision(y.dtype),
+                      NORM=norm_eps is not None)  # fmt: skip
     _launch(_expand_kernel, grid, tail, constexprs).run(
         grid, partials, b, ranks, y, meta.token_indices, meta.slots, meta.starts, meta.counts
     )
+
+
+def _expand_silu_triton(partials, b, ranks, offsets, y, meta, norm_eps):
+    num_tokens, half = y.shape[0], offsets[1]
+    act = y.new_empty(num_tokens, half)
+    if num_tokens == 0:
+        return act
+    shards, rank_max = ranks.shape[1], b.shape[2]
+    assert shards == 2 and y.stride(1) == 1 and b.is_contiguous() and partials.stride(2) == 1
+    n_tiles = triton.cdiv(half, _BLOCK_N)
+    block_r = _block_r(rank_max)
+    block_m = _block_m(num_tokens, block_r)
+    grid = (triton.cdiv(num_tokens, block_m) * n_tiles, 1, meta.num_active)
+    tail = (half, n_tiles, shards, partials.stride(0), partials.stride(1), b.stride(0),
+            y.stride(0), act.stride(0), 0.0 if norm_eps is None else norm_eps)  # fmt: skip
+    constexprs = dict(R=rank_max, SPLIT=partials.shape[0], BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+                      BLOCK_R=block_r, PRECISION=_precision(y.dtype),
+                      NORM=norm_eps is not None)  # fmt: skip
+    _launch(_expand_silu_kernel, grid, tail, constexprs, num_head=9).run(
+        grid, partials, b, ranks, y, act, meta.token_indices, meta.slots, meta.starts,
+        meta.counts,
+    )  # fmt: skip
+    return act
 
 
 _launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path

@@ -66,3 +66,14 @@ def gather(parts, stride_split, mask, SPLIT: tl.constexpr):
     for s in tl.static_range(1, SPLIT):
         total += tl.load(parts + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
     return total
+
+
+@jit
+def input_chunk(x_ptrs, r_ptrs, mask, ADD_IN: tl.constexpr):
+    """A chunk of the input rows as the unfused kernels store it: x, or x + residual rounded
+    to the dtype (the fused add + norm's sum, which a norm prologue normalises)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if ADD_IN:
+        r = tl.load(r_ptrs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x

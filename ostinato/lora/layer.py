@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from ostinato.context import get_forward_context
-from ostinato.kernels.lora import lora_expand, lora_shrink
+from ostinato.kernels.lora import lora_expand, lora_expand_silu, lora_shrink
+from ostinato.layers.norm import RMSNorm
 
 
 class LoRALinear(nn.Module):
@@ -46,35 +48,72 @@ class LoRALinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.base.bias
 
-    def plan(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Callable | None:
-        """Linear.plan's for the fused paths (layers/linear.py), asked with its arguments: the
-        base's own plan in a step without adapters, so such a step runs as the model without
-        LoRA does; else None (forward: the base projection, the shrink beside it, the expand)."""
-        if get_forward_context().lora is not None:
+    def plan(
+        self,
+        x: torch.Tensor,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+        silu: bool = False,
+        add: torch.Tensor | None = None,
+    ) -> Callable | None:
+        """Linear.plan's for the fused paths (layers/linear.py). In a step without adapters the
+        base's own plan, so such a step runs as the model without LoRA does. With adapters, at
+        one row (every token then has one), the base's plan without SiLU, the shrink beside it
+        on the input before its norm (with the norm weight; it keeps the mean squares, and the
+        expand applies the 1/rms: the norm is one scale a token), then the expand, with
+        SiLU-and-mul where silu (_adapted): no norm or SiLU kernel, the residual added in the
+        base's epilogue. Else None (forward: the base projection, the shrink beside it, the
+        expand)."""
+        if get_forward_context().lora is None:
+            return self.base.plan(x, norm, residual, silu, add)
+        if x.shape[0] != 1:
             return None
-        return self.base.plan(x, *args, **kwargs)
+        base = self.base.plan(x, norm, residual, False, add)
+        if base is None:
+            return None
+        return partial(self._adapted, base, None if norm is None else norm.eps, silu)
+
+    def _adapted(self, base, eps, silu, x, weight, bias, residual, norm_weight, add):
+        """A plan's call (-> (y, stream)) in a step with adapters: see plan."""
+        meta = get_forward_context().lora
+        norm = None if eps is None else (residual, norm_weight, eps)
+        partials, (y, stream) = self._beside(
+            x,
+            lambda: lora_shrink(x, self.lora_a, self.lora_ranks, meta, norm),
+            lambda: base(x, weight, bias, residual, norm_weight, add),
+        )
+        args = (partials, self.lora_b, self.lora_ranks, self.offsets, y, meta, eps)
+        if silu:
+            return lora_expand_silu(*args), stream
+        lora_expand(*args)
+        return y, stream
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().lora
         if meta is None:  # no adapter in this step: the base projection alone
             return self.base(x)
-        if x.is_cuda:
-            # the shrink on a side stream beside the base projection, which reads the same x:
-            # its latency hides behind the projection's (a fork and a join in a captured graph)
-            main = torch.cuda.current_stream(x.device)
-            side = _side_stream(x.device)
-            side.wait_stream(main)
-            try:
-                with torch.cuda.stream(side):
-                    partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
-                y = self.base(x)
-            finally:  # joined even where a launch raises: a capture ends only with it joined
-                main.wait_stream(side)
-        else:
-            y = self.base(x)
-            partials = lora_shrink(x, self.lora_a, self.lora_ranks, meta)
+        partials, y = self._beside(
+            x, lambda: lora_shrink(x, self.lora_a, self.lora_ranks, meta), lambda: self.base(x)
+        )
         lora_expand(partials, self.lora_b, self.lora_ranks, self.offsets, y, meta)
         return y
+
+    @staticmethod
+    def _beside(x: torch.Tensor, shrink: Callable, project: Callable) -> tuple[Any, Any]:
+        """(shrink(), project()): on the GPU the shrink on a side stream beside the base
+        projection, which reads the same x, so its latency hides behind the projection's (a
+        fork and a join in a captured graph)."""
+        if not x.is_cuda:
+            return shrink(), project()
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        try:
+            with torch.cuda.stream(side):
+                partials = shrink()
+            return partials, project()
+        finally:  # joined even where a launch raises: a capture ends only with it joined
+            main.wait_stream(side)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()

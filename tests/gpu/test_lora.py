@@ -15,7 +15,14 @@ from ostinato.context import ForwardContext, LoRAMetadata, forward_context
 from ostinato.graphs.breakable import BreakableGraph
 from ostinato.kernels import launch, variants
 from ostinato.kernels import lora as lora_kernels
-from ostinato.kernels.lora import lora_expand, lora_expand_torch, lora_shrink, lora_shrink_torch
+from ostinato.kernels.activation import silu_and_mul_torch
+from ostinato.kernels.lora import (
+    lora_expand,
+    lora_expand_silu,
+    lora_expand_torch,
+    lora_shrink,
+    lora_shrink_torch,
+)
 from ostinato.layers.linear import Linear
 from ostinato.lora import layer as lora_layer
 from ostinato.lora.layer import LoRALinear
@@ -165,6 +172,39 @@ def test_kernels_match_torch_on_8b_shapes(num_tokens, shards):
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     untouched = torch.from_numpy(token_slots < 0).to(dev)
     assert torch.equal(got[untouched], y[untouched])
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_one_row_kernels_match_torch_on_8b_shapes(with_residual):
+    """The LoRA kernels of a one-row step with an adapter (lora/layer.py: LoRALinear.plan) on
+    llama-3.1-8b's gate|up: the shrink of the norm's input (its mean squares last), then the
+    expand with the 1/rms and SiLU-and-mul, against their torch versions; an adapter that
+    leaves gate alone too."""
+    torch.manual_seed(0)
+    rank_max, k, half = 16, 4096, 14336
+    dev, dtype = "cuda", torch.bfloat16
+    a = torch.randn(2, 2 * rank_max, k, device=dev).div(k**0.5).to(dtype)
+    b = torch.randn(2, 2 * half, rank_max, device=dev).to(dtype)
+    ranks = torch.tensor([[16, 16], [0, 16]], dtype=torch.int32, device=dev)
+    a[1, :rank_max] = 0
+    b[1, :half] = 0
+    x = torch.randn(1, k, device=dev).to(dtype)
+    residual = torch.randn(1, k, device=dev).to(dtype) if with_residual else None
+    norm = (residual, torch.rand(k, device=dev).add(0.5).to(dtype), 1e-6)
+    y = torch.randn(1, 2 * half, device=dev).to(dtype)
+    as_int = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    for slot in (0, 1):
+        meta = LoRAMetadata(2, as_int([0]), as_int([slot, 0]), as_int([0, 1]), as_int([1, 0]))
+        partials = lora_shrink(x, a, ranks, meta, norm)
+        want = lora_shrink_torch(x, a, ranks, meta, norm)
+        used = slice(rank_max if slot else 0, 2 * rank_max + 1)  # a shard of rank 0: unwritten
+        torch.testing.assert_close(partials[0, :, used], want[0, :, used], rtol=2e-2, atol=2e-2)
+        act = lora_expand_silu(partials, b, ranks, (0, half, 2 * half), y, meta, 1e-6)
+        summed = y.clone()
+        lora_expand_torch(want, b, ranks, (0, half, 2 * half), summed, meta, 1e-6)
+        want_act = silu_and_mul_torch(summed)
+        assert act.shape == (1, half)
+        torch.testing.assert_close(act.float(), want_act.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_the_expand_waits_for_the_side_stream_shrink(monkeypatch):

@@ -1,5 +1,5 @@
 #!/bin/bash
-# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0 (ec6cd35 in stage g); w = 2f578e6 + ROW_WARPS; L = ec6cd35 + LoRA at one row fused; f = m + FP8 weights (a scale a row)
+# session 39 calls: bash .gpu/s39.sh STAGE   (trees under .gpu/: m = main 7ccc8d0 (ec6cd35 in stage g); w = 2f578e6 + ROW_WARPS; L = ec6cd35 + LoRA at one row fused; V = L without the shrink's norm pass; f = m + FP8 weights (a scale a row)
 # through gemv.py's fused one-row kernel (norm prologue, SiLU, residual epilogue), the weights widened by
 # FP8_WIDEN: 1 cvt (Triton's conversion), 2 bits (integer ops in Triton), 3 asm (prmt/shr/and in inline PTX))
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -50,5 +50,11 @@ h)  # the kernels of LoRA batch-1 decode steps (one adapter), m and L (profile_s
   for tree in m L; do (cd .gpu/$tree && timeout 120 python3 benchmarks/profile_step.py --model random:llama-3.1-8b \
     --modes full_and_piecewise --batch-sizes 1 --num-loras 1 --sections step-kernels --steps 8 --label $tree \
     --json $OUT/prof.jsonl 2>>$OUT/err.txt | tail -n 25 | tee $OUT/prof-$tree.txt); done
+  ;;
+i)  # V = f501fb6 + L with the shrink's norm pass gone (it sums s * weight and keeps mean(s^2); the expands apply 1/rms):
+    # LoRA batch-1 decode, V and m (= f501fb6), then V's LoRA GPU tests (the one-row ones, every mode with mixed adapters)
+  for tree in V m; do LAT_S=70 lat $tree - --model random:llama-3.1-8b --input-len 128 --batch-size 1 \
+    --num-loras 0,1 --lora-rank 16 --max-loras 4 --max-lora-rank 16; done
+  tests V 90 tests/gpu/test_lora.py -x -k "one_row_kernels or one_request or every_mode or cold_kernel"
   ;;
 esac
