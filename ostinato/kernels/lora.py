@@ -142,6 +142,21 @@ def lora_expand_torch(partials, b, ranks, offsets, y, meta, norm_eps=None):
 # ---- Triton ---------------------------------------------------------------------------------
 
 
+@jit
+def _group(group, counts_ptr, slots_ptr, starts_ptr):
+    """(count, slot, start) of a group: its tokens are listed at token_indices[start:]."""
+    count = tl.load(counts_ptr + group)
+    return count, tl.load(slots_ptr + group).to(tl.int64), tl.load(starts_ptr + group)
+
+
+@jit
+def _tile_tokens(tile, count, start, tokens_ptr, BLOCK_M: tl.constexpr):
+    """The token indices (int64) of a group's tile of BLOCK_M rows, and which rows it has."""
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < count
+    return tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64), row_ok
+
+
 @jit(do_not_specialize=["num_shards"])  # one compiled variant for every projection
 def _shrink_kernel(
     x_ptr, a_ptr, ranks_ptr, out_ptr, tokens_ptr, slots_ptr, starts_ptr, counts_ptr, sem_ptr,
@@ -160,17 +175,13 @@ def _shrink_kernel(
     split = tl.program_id(0) % SPLIT
     shard = tl.program_id(1)
     group = tl.program_id(2)
-    count = tl.load(counts_ptr + group)
-    slot = tl.load(slots_ptr + group).to(tl.int64)
-    start = tl.load(starts_ptr + group)
+    count, slot, start = _group(group, counts_ptr, slots_ptr, starts_ptr)
     if tile * BLOCK_M >= count:
         return
     rank = tl.load(ranks_ptr + slot * num_shards + shard)
     if rank == 0 and (not NORM or shard != 0):
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < count
-    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    token, row_ok = _tile_tokens(tile, count, start, tokens_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     a_rows = a_ptr + slot * stride_a + (shard * R + r)[None, :] * K
     span = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
@@ -232,9 +243,7 @@ def _expand_kernel(
     tile_n = tl.program_id(0) % n_tiles
     shard = tl.program_id(1)
     group = tl.program_id(2)
-    count = tl.load(counts_ptr + group)
-    slot = tl.load(slots_ptr + group).to(tl.int64)
-    start = tl.load(starts_ptr + group)
+    count, slot, start = _group(group, counts_ptr, slots_ptr, starts_ptr)
     if tile_m * BLOCK_M >= count:
         return
     n_hi = tl.where(shard == 0, end_0, tl.where(shard == 1, end_1, end_2))
@@ -244,9 +253,7 @@ def _expand_kernel(
     rank = tl.load(ranks_ptr + slot * num_shards + shard)
     if rank == 0:
         return
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < count
-    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    token, row_ok = _tile_tokens(tile_m, count, start, tokens_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     n = n_lo + tl.arange(0, BLOCK_N)
@@ -299,14 +306,10 @@ def _expand_silu_kernel(
     tile_m = tl.program_id(0) // n_tiles
     n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     group = tl.program_id(2)
-    count = tl.load(counts_ptr + group)
-    slot = tl.load(slots_ptr + group).to(tl.int64)
-    start = tl.load(starts_ptr + group)
+    count, slot, start = _group(group, counts_ptr, slots_ptr, starts_ptr)
     if tile_m * BLOCK_M >= count:
         return
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < count
-    token = tl.load(tokens_ptr + start + rows, mask=row_ok, other=0).to(tl.int64)
+    token, row_ok = _tile_tokens(tile_m, count, start, tokens_ptr, BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     n_ok = n < half
     gate_ok = r < tl.load(ranks_ptr + slot * num_shards)
