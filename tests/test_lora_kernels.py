@@ -272,15 +272,16 @@ def test_a_step_without_adapters_takes_the_fused_base_path(monkeypatch):
 
 @pytest.mark.parametrize("normed", [False, True], ids=["o-residual", "qkv-norm"])
 def test_an_adapter_at_one_row_keeps_the_base_fusions(normed, monkeypatch):
-    """With an adapter at one row, a LoRALinear over a merged q|k|v takes its base's norm
-    prologue (the expand applies the norm's 1/rms to the shrink's sums) and one over o adds
-    the residual in its base's
-    epilogue, then the adapter term, against float64 math; no norm kernel, and the residual
-    stream comes back as the fused paths give it."""
+    """With an adapter at one row, a LoRALinear over a merged q|k|v (with a bias) takes its
+    base's norm prologue (the expand applies the norm's 1/rms to the shrink's sums) and one
+    over o adds the residual in its base's epilogue, then the adapter term, against float64
+    math; no norm kernel, and the residual stream comes back as the fused paths give it."""
     monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: True)
     k = 48
-    base = ColumnParallelLinear(k, [32, 16, 16]) if normed else Linear(k, k)
+    base = ColumnParallelLinear(k, [32, 16, 16], bias=True) if normed else Linear(k, k)
     base.weight.data.copy_(torch.randn(base.weight.shape) / k**0.5)
+    if normed:  # a q|k|v bias, as Qwen2's
+        base.bias.data.normal_()
     shards = [32, 16, 16] if normed else [k]
     layer = LoRALinear(base, num_slots=2, max_rank=8)
     ranks = [8, 0, 4] if normed else [8]  # the adapter leaves k alone
@@ -301,7 +302,7 @@ def test_an_adapter_at_one_row_keeps_the_base_fusions(normed, monkeypatch):
     s = (x + residual).double()
     inp = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
     inp = inp if normed else x.double()
-    want = inp @ base.weight.double().T
+    want = inp @ base.weight.double().T + (base.bias.double() if normed else 0)
     for shard, (lo, hi) in enumerate(zip(layer.offsets[:-1], layer.offsets[1:], strict=True)):
         a = layer.lora_a[1, shard * 8 : (shard + 1) * 8].double()
         want[:, lo:hi] += inp @ a.T @ layer.lora_b[1, lo:hi].double().T
