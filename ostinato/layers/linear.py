@@ -59,8 +59,8 @@ def normed_projection(
     """proj(norm(x + residual)), with silu (a merged gate|up) SiLU-and-mul after it, and the
     residual stream x + residual as one tensor (x itself without a residual). The small-batch
     kernel where it pays (proj.plan: a Linear's, the norm in its prologue or the norm kernel
-    first; a LoRALinear's, the same in a step without adapters); else the norm (with the add,
-    in place) and then proj."""
+    first; a LoRALinear's, the same in a step without adapters and, at one row, with its
+    adapter term added); else the norm (with the add, in place) and then proj."""
     plan = proj.plan(x, norm, residual, silu)
     if plan is not None:
         return plan(x, proj.weight, proj.bias, residual, norm.weight, None)
