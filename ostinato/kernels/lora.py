@@ -10,12 +10,18 @@ group i holds the `counts[i]` tokens listed from `token_indices[starts[i]]` on, 
 
 shrink: partials[p, t] = x[t] @ a[slot]^T over the p-th split of K (float32)
 expand: y[t, shard] += (sum_p partials[p, t, shard]) @ b[slot, shard]^T, in place
+expand_silu (a merged gate|up): silu(y_gate + its term) * (y_up + its term), a new tensor
+
+With a norm before the projection (its norm in the projection kernel's prologue, lora/layer.py
+at one row), the shrink takes rms_norm(x)'s input instead: rms_norm(s) = s * weight / rms(s),
+one scale a token, so it sums (s * weight) @ a^T and keeps mean(s^2) in a last column, and the
+expands multiply by 1/rms(s).
 
 Graph-safe: the grid depends on the padded token count and the padded number of groups (both
 fixed by the batch descriptor), every count and index is read on the device, and spare
 programs exit. Tokens of no group (no adapter, padding) are neither read nor written.
 
-Both kernels take programmatic dependent launch (Hopper): what was written before the step
+The kernels take programmatic dependent launch (Hopper): what was written before the step
 (the groups, the slots' weights) is read while the kernel before still runs; what that kernel
 writes (x, y, partials) only after gdc_wait. At batch 1 the chain of dependent reads (group,
 slot, rank, token) was most of each kernel's time.
