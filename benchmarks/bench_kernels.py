@@ -1117,13 +1117,7 @@ def gemv_row_sweep_rows(copy_bw: float) -> list[list[str]]:
         case = _ProjectionCase(1, n, k, silu, normed, weights, norm_w)
         n_out = n // 2 if silu else n
         default = gemv_module.gemv_config(1, n_out, k, 2, 132)
-        configs = [default] + [
-            gemv_module.GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, w, 1)
-            for block_n in (2, 4, 8, 16, 32)
-            for block_k in (512, 1024, 2048)
-            for w in (4, 8)
-            if block_n * block_k <= 16384
-        ]
+        configs = [default, *_row_grid(k, (2, 4, 8, 16, 32), (512, 1024, 2048), 16384)]
         times = {c: graph_seconds(case.ours(c)) for c in dict.fromkeys(configs)}
         best = min(times, key=times.get)
         floor = n * k * 2 / copy_bw
@@ -1131,10 +1125,33 @@ def gemv_row_sweep_rows(copy_bw: float) -> list[list[str]]:
             name, f"{n * k * 2 / 1e6:.1f}", f"{floor * 1e6:.2f}", f"{times[default] * 1e6:.2f}",
             _gemv_short(default) + f", {default.num_warps} warps", f"{times[best] * 1e6:.2f}",
             _gemv_short(best) + f", {best.num_warps} warps", f"{times[default] / times[best]:.2f}x",
-            " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{t * 1e6:.2f}"
-                     for c, t in sorted(times.items(), key=lambda ct: ct[1])[:8]),
+            _fastest(times, 8),
         ])  # fmt: skip
     return rows
+
+
+def _row_grid(k: int, block_ns: tuple, block_ks: tuple, most: int) -> list:
+    """One-row launches over the whole K: each (weight rows, chunk columns) of at most `most`
+    weights a chunk, in 4 and 8 warps."""
+    return [
+        gemv_module.GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, w, 1)
+        for block_n in block_ns
+        for block_k in block_ks
+        for w in (4, 8)
+        if block_n * block_k <= most
+    ]
+
+
+def _row_label(config) -> str:
+    """A one-row launch as weight rows x chunk columns / warps."""
+    return f"{config.block_n}x{config.block_k}/{config.num_warps}w"
+
+
+def _fastest(times: dict, count: int) -> str:
+    """The `count` fastest launches of a sweep (launch -> seconds), each label:µs."""
+    return " ".join(
+        f"{_row_label(c)}:{times[c] * 1e6:.2f}" for c in sorted(times, key=times.get)[:count]
+    )
 
 
 def fp8_row_sweep_rows(copy_bw: float) -> list[list[str]]:
@@ -1161,9 +1178,7 @@ def fp8_row_sweep_rows(copy_bw: float) -> list[list[str]]:
             name, f"{n * k / 1e6:.1f}", f"{n * k / copy_bw * 1e6:.2f}",
             f"{timed[default] * 1e6:.2f}", _fp8_short(default),
             f"{timed[ranked[0]] * 1e6:.2f}", _fp8_short(ranked[0]),
-            f"{timed[default] / timed[ranked[0]]:.2f}x",
-            " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{timed[c] * 1e6:.2f}"
-                     for c in ranked[:8]),
+            f"{timed[default] / timed[ranked[0]]:.2f}x", _fastest(timed, 8),
         ])  # fmt: skip
         del ring
         torch.cuda.empty_cache()
@@ -1181,13 +1196,7 @@ def fp8_fused_row_rows(copy_bw: float) -> list[list[str]]:
         floor = (n * k + 4 * n) / copy_bw
         old = _ring_seconds(ring, lambda w, s, x=x: fp8.fp8_gemv(x, w, s))
         default = gemv_module.gemv_config(1, n, k, 2, sms, fp8=True)
-        configs = [default] + [
-            gemv_module.GemvConfig(1, block_n, block_k, triton.cdiv(k, block_k) * block_k, 1, w, 1)
-            for block_n in (4, 8, 16)
-            for block_k in (2048, 4096)
-            for w in (4, 8)
-            if block_n * block_k <= 32768
-        ]
+        configs = [default, *_row_grid(k, (4, 8, 16), (2048, 4096), 32768)]
         times = {
             c: _ring_seconds(ring, lambda w, s, c=c, x=x: gemv_module.gemv(x, w, config=c, scale=s))
             for c in dict.fromkeys(configs)
@@ -1196,9 +1205,7 @@ def fp8_fused_row_rows(copy_bw: float) -> list[list[str]]:
         rows.append([
             name, f"{floor * 1e6:.2f}", f"{old * 1e6:.2f}", f"{times[default] * 1e6:.2f}",
             f"{floor / times[default]:.2f}", f"{old / times[default]:.2f}x",
-            f"{times[best] * 1e6:.2f}", f"{best.block_n}x{best.block_k}/{best.num_warps}w",
-            " ".join(f"{c.block_n}x{c.block_k}/{c.num_warps}w:{t * 1e6:.2f}"
-                     for c, t in sorted(times.items(), key=lambda ct: ct[1])[:6]),
+            f"{times[best] * 1e6:.2f}", _row_label(best), _fastest(times, 6),
         ])  # fmt: skip
         del ring
         torch.cuda.empty_cache()
