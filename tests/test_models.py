@@ -16,6 +16,7 @@ from ostinato.layers import linear as linear_module
 from ostinato.layers.norm import RMSNorm
 from ostinato.loader import load_hf_config, load_model
 from ostinato.models.base import IntermediateTensors
+from ostinato.quantization import QuantSpec, building
 
 BLOCK = 16
 # Scattered, out-of-order blocks, so a paging mistake shows.
@@ -326,6 +327,45 @@ def test_an_fp8_projection_takes_the_fused_kernel_with_its_scale(monkeypatch):
     gate_up._plans = (None, None, {})
     act, _ = linear_module.normed_projection(gate_up, norm, x, residual, silu=True)
     torch.testing.assert_close(act, want_act, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block", [None, (64, 64)])
+def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(monkeypatch, block):
+    """FP8 weights (a scale a row; block-wise, whose groups are 64 wide) at 2-32 rows: a
+    normed projection plans the norm kernel quantising its output, then fp8.py's kernel on
+    that FP8 x (_fp8_norm_first), and gives every bit of the unfused sequence (the norm
+    kernel, fp8_linear, SiLU-and-mul): with a bias, with SiLU, with a residual (the stream
+    added in place) and without one (the stream is x). float32 x keeps the unfused path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with building(QuantSpec("fp8", block) if block else None):
+        proj, norm = linear_module.Linear(256, 192, bias=True), RMSNorm(256, 1e-6)
+    g = torch.Generator().manual_seed(3)
+    norm.weight.data.copy_(torch.rand(256, generator=g) + 0.5)
+    proj.bias.data.copy_(torch.randn(192, generator=g))
+    if block:
+        proj.weight.data.copy_(torch.randn(192, 256, generator=g).to(torch.float8_e4m3fn))
+        proj.weight_scale_inv.data.copy_(torch.rand(3, 4, generator=g) + 0.5)
+    else:
+        proj.weight.data.copy_(torch.randn(192, 256, generator=g))
+        proj.quantize_at_load = True
+        proj.finish_loading()
+    norm, proj.bias.data = norm.bfloat16(), proj.bias.data.bfloat16()  # the FP8 weight stays
+    for rows, silu, with_residual in ((3, True, True), (17, False, False), (2, False, True)):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        residual = torch.randn(rows, 256, generator=g).bfloat16() if with_residual else None
+        plan = proj.plan(x, norm, residual, silu)
+        assert plan.func is linear_module._fp8_norm_first
+        stream = None if residual is None else residual.clone()
+        normed, want_stream = norm.stream(x.clone(), stream)
+        want = proj(normed)
+        want = linear_module.silu_and_mul(want) if silu else want
+        residual_in = None if residual is None else residual.clone()
+        got, got_stream = linear_module.normed_projection(proj, norm, x, residual_in, silu)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_stream, want_stream, rtol=0, atol=0)
+        if residual is not None:
+            assert got_stream is residual_in  # added in place, as the norm kernel adds
+    assert proj.plan(torch.randn(3, 256), RMSNorm(256, 1e-6), None) is None  # float32
 
 
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):

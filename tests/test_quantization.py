@@ -6,12 +6,13 @@ import re
 
 import pytest
 import torch
-from helpers import make_hf_checkpoint, nan_fenced
+from helpers import fence_intact, make_hf_checkpoint, nan_fenced
 from oracle import oracle_prompts, run_ostinato
 
 from ostinato import LLM
 from ostinato.kernels import fp8
 from ostinato.kernels.fp8 import GEMV_ROWS, GemvConfig, fp8_gemv, fp8_linear, quantize_rows
+from ostinato.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_to_fp8
 from ostinato.loader import load_hf_config
 
 
@@ -250,6 +251,85 @@ def test_fp8_dot_rows_scale_x_once_per_group_of_its_row(monkeypatch):
     for a, b in ((got, want), (per_row, want)):
         error = ((a - b).abs() / b.abs().amax(1, keepdim=True)).max().item()
         assert (error < 2**-7) == (a is got), error
+
+
+@pytest.mark.parametrize(
+    "rows, n, group, add",
+    [
+        (3, 384, 128, True),  # three whole groups
+        (5, 640, 128, True),  # the last group past the row's end (a block of 1,024)
+        (2, 16, 128, False),  # a row shorter than a group: one group, no residual
+        (4, 448, 64, True),  # a block-wise checkpoint's narrower groups, the last one short
+    ],
+)  # fmt: skip
+def test_the_norm_kernel_quantises_what_it_would_store_as_the_fp8_dot_rows_do(
+    monkeypatch, rows, n, group, add
+):
+    """rms_norm_to_fp8 (the norm before an FP8 projection of a few rows): the residual stream
+    the fused add + norm leaves, and that kernel's normalised output quantised per group
+    (quantize_groups, itself the float64 per-group math of grouped_x), every FP8 byte and
+    scale exact; nothing written outside its outputs (x, the residual and the weight lie
+    among NaNs)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows * n)
+    scales = 10.0 ** torch.randint(-3, 3, (rows, 1), generator=g)  # rows of every magnitude
+    x = (torch.randn(rows, n, generator=g) * scales).bfloat16()
+    residual = (torch.randn(rows, n, generator=g) * scales).bfloat16()
+    weight = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    want, stream = x.clone(), residual.clone()
+    if add:
+        fused_add_rms_norm(want, stream, weight, 1e-6)
+    else:
+        want = rms_norm(x, weight, 1e-6)
+    want_q, want_s = fp8.quantize_groups(want, group)
+    assert want_s.shape == (rows, -(-n // group))
+    torch.testing.assert_close(want_q.double() * want_s.repeat_interleave(group, 1)[:, :n].double(),
+                               grouped_x(want, group), rtol=0, atol=0)  # fmt: skip
+    fenced_x, fenced_res = nan_fenced(x, n + 3), nan_fenced(residual, n + 3)
+    q, s = rms_norm_to_fp8(fenced_x, fenced_res if add else None, nan_fenced(weight), 1e-6, group)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    torch.testing.assert_close(fenced_res, stream if add else residual, rtol=0, atol=0)
+    torch.testing.assert_close(fenced_x, x, rtol=0, atol=0)  # x itself is only read
+    assert fence_intact(fenced_res) and fence_intact(fenced_x)
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, block, config",
+    [
+        (3, 161, 2100, None, None),  # gemv_config's launch: K split, the last group short
+        (17, 130, 1100, (128, 128), None),  # 32 padded rows, block-wise
+        (16, 161, 1100, None, GemvConfig(16, 64, 256, 512, 3, 4, 4, True)),  # a chunk's
+        # second group starts past K
+        (32, 130, 520, (64, 64), GemvConfig(32, 64, 128, 128, 5, 4, 4, True)),  # groups of 64
+    ],
+)  # fmt: skip
+def test_fp8_dot_rows_take_x_quantised_before_them_as_they_quantise_it(
+    monkeypatch, rows, n, k, block, config
+):
+    """fp8_gemv given x already quantised (FP8 and its group scales, as the norm kernel hands
+    them over) gives every bit the kernel gives where it quantises x itself; x and its scales
+    among NaNs (a scale past the last group read would turn the output NaN). A launch without
+    the FP8 dot cannot take an FP8 x."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+    w, scale, _ = random_fp8_weights(n, k, block, g)
+    bias = torch.randn(n, generator=g).bfloat16()
+    want = fp8_linear(x, w, scale, bias, block) if config is None else (
+        fp8_gemv(x, w, scale, block, config)
+    )  # fmt: skip
+    q, s = fp8.quantize_groups(x, fp8.x_group(block))
+    q, s = nan_fenced(q, k + 3), nan_fenced(s, s.shape[1] + 1)
+    got = fp8_gemv(q, w, scale, block, config, x_scales=s, dtype=torch.bfloat16)
+    if config is None:
+        got += bias
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    weight_only = fp8.gemv_config(rows, n, k, block, 4)._replace(fp8_x=False)
+    with pytest.raises(ValueError, match="FP8 x FP8 dot"):
+        fp8_gemv(q, w, scale, block, weight_only, x_scales=s, dtype=torch.bfloat16)
 
 
 def test_fp8_activations_round_to_nearest_even_as_torch_does(monkeypatch):

@@ -130,24 +130,24 @@ def _quantize_tokens_kernel(
         kk = c * BLOCK + offs
         v = tl.load(x_ptr + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    s, r = _x_scale(tl.max(amax, axis=0))
+    s, r = activation_scale(tl.max(amax, axis=0))
     tl.store(s_ptr + row, s)
     for c in tl.static_range(CHUNKS):
         kk = c * BLOCK + offs
         v = tl.load(x_ptr + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * K + kk, _quantize(v, s, r, EMULATE), mask=kk < K)
+        tl.store(q_ptr + row * K + kk, quantize_fp8(v, s, r, EMULATE), mask=kk < K)
 
 
 @jit
-def _x_scale(amax):
+def activation_scale(amax):
     """(s, r): an activation scale, the group's largest magnitude (at least 1e-12) over 448,
-    divided as torch divides, and 1 / s rounded, for _quantize."""
+    divided as torch divides, and 1 / s rounded, for quantize_fp8."""
     s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
     return s, tl.math.div_rn(1.0, s)
 
 
 @jit
-def _quantize(v, s, r, EMULATE: tl.constexpr):
+def quantize_fp8(v, s, r, EMULATE: tl.constexpr):
     """float32 v / s to FP8 e4m3 as torch's (v / s).clamp(-448, 448).to(float8_e4m3fn) does:
     the quotient correctly rounded, then the nearest FP8 value, ties to even.
     The quotient as the hardware's division computes it, without its per-division reciprocal
@@ -166,6 +166,28 @@ def _quantize(v, s, r, EMULATE: tl.constexpr):
         big = step * 12582912.0  # 1.5 * 2^23 steps: its last bit is one step
         q = (q + big) - big
     return q.to(tl.float8e4nv)
+
+
+def fp8_x_pays(m: int, dtype: torch.dtype, block: tuple[int, int] | None) -> bool:
+    """Whether m rows of x in dtype take the FP8 x FP8 dot (x quantised per group of x_group
+    columns): 2 to FP8_DOT_ROWS rows (padded to 16 or 32) of half-precision x, groups of at
+    least 32 columns (the FP8 MMA's K)."""
+    padded = max(16, triton.next_power_of_2(m))
+    return (
+        m >= DOT_ROWS and padded <= FP8_DOT_ROWS and dtype != torch.float32
+        and x_group(block) >= 32
+    )  # fmt: skip
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], float32 scales [M, ceil(K / group)]) as the FP8 dot rows
+    quantise x, in torch: each group's scale its largest magnitude (at least 1e-12) over 448;
+    x / scale clamped to +-448 and rounded to FP8 (the reference of the kernels that do it)."""
+    m, k = x.shape
+    padded = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scale = padded.abs().amax(2, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, -1)[:, :k]
+    return q, scale.view(m, -1)
 
 
 def x_group(block: tuple[int, int] | None) -> int:
@@ -221,7 +243,7 @@ def gemv_config(
             block_k, block_n, warps = 2048, 4, 8
     else:
         rows, block_k, stages = max(16, triton.next_power_of_2(m)), 128, 4
-        fp8_x = rows <= FP8_DOT_ROWS and dtype != torch.float32 and x_group(block) >= 32
+        fp8_x = fp8_x_pays(m, dtype, block)
         block_n, warps = 128, 8 if fp8_x and rows == 32 else 4
         split = max(1, min(2 * sms // triton.cdiv(n, block_n), k // (4 * block_k)))
     if block is not None:  # a chunk lies within one scale block
@@ -268,11 +290,12 @@ def _bf16_from_fp8(w):
 
 @jit(do_not_specialize=["M"])  # one compiled kernel serves every batch of the same padding
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-    stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPAN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SN: tl.constexpr, BLOCK_SK: tl.constexpr,
-    BLOCKWISE: tl.constexpr, F32_DOT: tl.constexpr, BIT_MOVES: tl.constexpr, EVEN: tl.constexpr,
-    FP8_X: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, stride_xm, stride_xs,
+    stride_wn, stride_sn, stride_ym, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPAN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SN: tl.constexpr,
+    BLOCK_SK: tl.constexpr, BLOCKWISE: tl.constexpr, F32_DOT: tl.constexpr,
+    BIT_MOVES: tl.constexpr, EVEN: tl.constexpr, FP8_X: tl.constexpr, X_FP8: tl.constexpr,
+    GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y[:M] for BLOCK_N weight rows over SPAN columns of K (split program_id(1) of SPLIT).
 
@@ -286,12 +309,13 @@ def _fp8_gemv_kernel(
     is wrong); BIT_MOVES: bfloat16 weights by _bf16_from_fp8. EVEN: no masks on the weights.
 
     FP8_X (tl.dot rows): each GROUP columns of a chunk, x's rows quantised to FP8 with one
-    scale each (_x_scale of the group's largest magnitude) and the FP8 weight tile times
+    scale each (activation_scale of the group's largest magnitude) and the FP8 weight tile times
     them, transposed ([BLOCK_N, GROUP] x [GROUP, ROWS]: both operands K-major, as the FP8 MMA
     needs, the weights the M side that Hopper's warpgroup MMA wants 64 of); each product is
     scaled by its rows' x scales (and its block's weight scale) into the fp32 sum. F32_DOT
     here: the product of the FP8 values in float32 (the interpreter has no FP8 dot);
-    EMULATE: the interpreter's rounding (_quantize).
+    EMULATE: the interpreter's rounding (quantize_fp8). X_FP8: x comes quantised so (FP8, its
+    scales at xs_ptr [M, cdiv(K, GROUP)], stride_xs apart): no quantising here.
 
     SPLIT > 1: each program stores its fp32 partial in part_ptr [SPLIT, M, N] and counts
     itself in sem_ptr[tile]; the last of a tile's programs sums the partials and stores y
@@ -337,9 +361,15 @@ def _fp8_gemv_kernel(
                     kk = k0 + g * GROUP + tl.arange(0, GROUP)
                     w = load_weights(w_rows, kk, col_ok, K, EVEN)
                     x_ok = (rows < M)[:, None] & (kk < K)[None, :]
-                    x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
-                    xs, xr = _x_scale(tl.max(tl.abs(x), axis=1))
-                    xq = _quantize(x, xs[:, None], xr[:, None], EMULATE)
+                    if X_FP8:
+                        xq = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
+                        xs_ok = tl.where(k0 + g * GROUP < K, rows < M, False)
+                        xs = tl.load(xs_ptr + rows * stride_xs + (k0 + g * GROUP) // GROUP,
+                                     mask=xs_ok, other=0.0)  # fmt: skip
+                    else:
+                        x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
+                        xs, xr = activation_scale(tl.max(tl.abs(x), axis=1))
+                        xq = quantize_fp8(x, xs[:, None], xr[:, None], EMULATE)
                     if F32_DOT:
                         part = tl.dot(w.to(tl.float32), tl.trans(xq.to(tl.float32)),
                                       input_precision="ieee")  # fmt: skip
@@ -393,30 +423,39 @@ def fp8_gemv(
     scale: torch.Tensor,
     block: tuple[int, int] | None = None,
     config: GemvConfig | None = None,
+    x_scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """fp8_linear's small-batch kernel (Triton only), in gemv_config's launch configuration
-    or the one given (benchmarks time others)."""
+    or the one given (benchmarks time others). With x_scales, x comes quantised as the FP8
+    dot rows take it (FP8, and its scales [M, cdiv(K, x_group(block))]: quantize_groups's,
+    or the norm kernel's, kernels/norm.py) and y is in dtype."""
     m, k = x.shape
     n = w.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    quantized = x_scales is not None
+    dtype = dtype if quantized else x.dtype
+    y = torch.empty(m, n, dtype=dtype, device=x.device)
     if m == 0:
         return y
-    key = (x.device, x.dtype, m, n, k, x.stride(0), w.stride(0), scale.stride(0), block, config,
-           interpreting(), FP8_DOT_ROWS)  # fmt: skip
+    xs = x_scales if quantized else x  # unused without
+    key = (x.device, dtype, m, n, k, x.stride(0), xs.stride(0), w.stride(0), scale.stride(0),
+           block, config, quantized, interpreting(), FP8_DOT_ROWS)  # fmt: skip
     entry = _launches.get(key)
     if entry is None:
-        config = config or gemv_config(m, n, k, block, num_sms(x.device, 4), x.dtype)
-        entry = _launches[key] = (_launch(x, w, scale, block, config), config)
+        config = config or gemv_config(m, n, k, block, num_sms(x.device, 4), dtype)
+        if quantized and not config.fp8_x:
+            raise ValueError(f"x quantised to FP8 needs the FP8 x FP8 dot: {config}")
+        entry = _launches[key] = (_launch(x, xs, w, scale, block, config, quantized), config)
     launch, config = entry
     part = sem = x  # unused without a split
     if config.split > 1:
         part = torch.empty(config.split, m, n, dtype=torch.float32, device=x.device)
         sem = split_counts(x.device, "fp8 GEMV")
-    launch(x, w, scale, y, part, sem)
+    launch(x, xs, w, scale, y, part, sem)
     return y
 
 
-def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
+def _launch(x, xs, w, scale, block, config: GemvConfig, quantized: bool) -> Launch:
     m, k = x.shape
     n = w.shape[0]
     # no masks where every tile is whole: the loop stops at K, the unrolled span does not
@@ -428,8 +467,8 @@ def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
     return Launch(
         _fp8_gemv_kernel,
         (triton.cdiv(n, config.block_n), config.split, 1),
-        num_head=6,  # x, weight, scale, y, partials, counts
-        tail=(m, n, k, x.stride(0), w.stride(0), scale.stride(0), n),
+        num_head=7,  # x, x's scales, weight, scale, y, partials, counts
+        tail=(m, n, k, x.stride(0), xs.stride(0), w.stride(0), scale.stride(0), n),
         constexprs=dict(
             ROWS=config.rows,
             BLOCK_N=config.block_n,
@@ -443,6 +482,7 @@ def _launch(x, w, scale, block, config: GemvConfig) -> Launch:
             BIT_MOVES=x.dtype == torch.bfloat16 and not interpreting(),
             EVEN=n % config.block_n == 0 and k % whole_k == 0,
             FP8_X=config.fp8_x,
+            X_FP8=quantized,
             GROUP=group,
             EMULATE=interpreting(),
             PDL=pdl["PDL"],

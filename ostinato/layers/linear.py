@@ -15,7 +15,10 @@ FP8 with `weight_scale_inv` [ceil(N / bn), ceil(K / bk)] (a rank holds the scale
 columns of its own rows or columns, so its share must be whole blocks); FP8 at load keeps the
 model dtype while loading, then `finish_loading` quantises each row (`weight_scale` [N, 1]).
 Those per-row FP8 weights take the small-batch kernel's fused paths at one row (plan binds
-the scale); more rows, and block-wise weights, go through fp8_linear unfused.
+the scale). At the few rows of fp8.py's FP8 x FP8 dot (per-row and block-wise weights), a
+normed projection's norm kernel quantises its output to FP8 as that dot takes it, so the
+projection's loop reads FP8 x and quantises nothing (_fp8_norm_first); else fp8_linear
+unfused.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from torch import nn
 
 from ostinato.distributed.parallel import tp_group
 from ostinato.kernels import silu_and_mul
-from ostinato.kernels.dispatch import interpreting
-from ostinato.kernels.fp8 import FP8, fp8_linear, quantize_rows
+from ostinato.kernels.dispatch import interpreting, use_triton
+from ostinato.kernels.fp8 import FP8, fp8_gemv, fp8_linear, fp8_x_pays, quantize_rows, x_group
 from ostinato.kernels.gemv import gemv, gemv_pays, gemv_plan
+from ostinato.kernels.norm import rms_norm_to_fp8
 from ostinato.layers.norm import RMSNorm
 from ostinato.layers.weights import Loadable, check_shape
 from ostinato.layout import rank_share
@@ -131,6 +135,14 @@ class Linear(nn.Module):
         kernel)."""
         return self.block is None and gemv_pays(x, self.weight, normed)
 
+    def _quantized_rows(self, x: torch.Tensor) -> bool:
+        """Whether fp8.py's kernel takes these rows of x through its FP8 x FP8 dot, so a norm
+        before it may hand it x quantised (shapes alone decide, as for gemv_pays)."""
+        return (
+            use_triton(x) and x.dim() == 2 and x.is_contiguous()
+            and fp8_x_pays(x.shape[0], x.dtype, self.block)
+        )  # fmt: skip
+
     def plan(
         self,
         x: torch.Tensor,
@@ -142,9 +154,11 @@ class Linear(nn.Module):
         """Where the small-batch kernel runs this projection of x (fuses), its plan (gemv_plan)
         with norm before it (residual added first), silu after it, or add (the residual
         stream) after that; with a norm the kernel refuses in its prologue but takes without
-        one, the norm kernel and then that plan (_norm_first); else None. Kept per kind of
-        input and for this weight and bias (new ones get new plans): an eager step asks once
-        a projection, and this key is all it builds before the plan allocates and launches."""
+        one, the norm kernel and then that plan (_norm_first); FP8 weights at the FP8 dot's
+        rows with a norm, the norm kernel quantising for it (_fp8_norm_first); else None. Kept
+        per kind of input and for this weight and bias (new ones get new plans): an eager step
+        asks once a projection, and this key is all it builds before the plan allocates and
+        launches."""
         if not FUSE:
             return None
         res = residual if residual is not None else add
@@ -161,6 +175,8 @@ class Linear(nn.Module):
 
     def _new_plan(self, x, norm, residual, silu, add) -> Callable | None:
         scale = self.scale if self.fp8 else None
+        if norm is not None and self.fp8 and self._quantized_rows(x):
+            return partial(_fp8_norm_first, norm.eps, x_group(self.block), scale, self.block, silu)
         if self.fuses(x, norm is not None):
             norm_weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
             return gemv_plan(
@@ -171,6 +187,17 @@ class Linear(nn.Module):
             plain = gemv_plan(x, self.weight, self.bias, silu, scale=scale)
             return partial(_norm_first, norm, plain)
         return None
+
+
+def _fp8_norm_first(eps, group, scale, block, silu, x, weight, bias, residual, norm_weight, add):
+    """A plan's call (-> (y, stream)) for FP8 weights at the FP8 dot's rows: the norm kernel
+    (residual added first, in place) storing its output quantised per group, then fp8.py's
+    kernel on that FP8 x (+ bias), then SiLU-and-mul where silu."""
+    q, q_scales = rms_norm_to_fp8(x, residual, norm_weight, eps, group)
+    y = fp8_gemv(q, weight, scale, block, x_scales=q_scales, dtype=x.dtype)
+    if bias is not None:
+        y.add_(bias)
+    return (silu_and_mul(y) if silu else y), (x if residual is None else residual)
 
 
 def _norm_first(norm, plain, x, weight, bias, residual, norm_weight, add):
