@@ -70,6 +70,8 @@ METHODS: dict[str, list[str]] = {
         "fuses",
         "plan",
         "_new_plan",
+        "_quantized_rows",
+        "_fp8_norm_first",
         "_norm_first",
     ],
 }
