@@ -24,7 +24,7 @@ from ostinato.loader import load_hf_config
 @triton.jit
 def _fp8x_kernel(x_ptr, xs_ptr, w_ptr, out_ptr, y_ptr, sem_ptr, M, N, K, span, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUPED: tl.constexpr,
-                 SUM: tl.constexpr):
+                 SUM: tl.constexpr, UNROLL: tl.constexpr):
     tile, split = tl.program_id(0), tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, ROWS)
@@ -52,9 +52,14 @@ def _fp8x_kernel(x_ptr, xs_ptr, w_ptr, out_ptr, y_ptr, sem_ptr, M, N, K, span, R
         count = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if count == tl.num_programs(1) - 1:
             total = tl.zeros([BLOCK_N, ROWS], tl.float32)
-            for p in range(0, tl.num_programs(1)):
-                total += tl.load(parts + p * M * N, mask=(r < M)[None, :], other=0.0,
-                                 cache_modifier=".cg")
+            if UNROLL:  # every part's load in flight at once, as small_batch.gather
+                for p in tl.static_range(UNROLL):
+                    total += tl.load(parts + p * M * N, mask=(r < M)[None, :], other=0.0,
+                                     cache_modifier=".cg")
+            else:
+                for p in range(0, tl.num_programs(1)):
+                    total += tl.load(parts + p * M * N, mask=(r < M)[None, :], other=0.0,
+                                     cache_modifier=".cg")
             tl.store(y_ptr + r[None, :] * N + n[:, None], total.to(tl.bfloat16),
                      mask=(r < M)[None, :])
             tl.store(sem_ptr + tile, 0)
@@ -64,7 +69,7 @@ _counts = {}
 
 
 def probe(block_n=128, block_k=128, stages=4, warps=4, grouped=False, per_sm=2, quant=False,
-          summed=False):
+          summed=False, unroll=False):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def project(x, xq, xs, w):
@@ -82,6 +87,7 @@ def probe(block_n=128, block_k=128, stages=4, warps=4, grouped=False, per_sm=2, 
         _fp8x_kernel[(tiles, split)](xq, xs, w, out, y, _counts[tiles], m, n, k, k // split,
                                      ROWS=max(16, m), BLOCK_N=block_n, BLOCK_K=block_k,
                                      GROUPED=grouped, SUM=summed and split > 1,
+                                     UNROLL=split if unroll else 0,
                                      num_warps=warps, num_stages=stages, launch_pdl=True)
         return y
 
@@ -146,15 +152,16 @@ def main():
             "ours, x quantised before": ours_quantized(),
         }.items():
             variants[name] = fn
-        for bn, bk, st, wp, g, ps, q, sm in [
-            (128, 128, 4, 4, True, 2, False, False), (128, 128, 4, 4, True, 2, False, True),
-            (64, 128, 8, 4, True, 0, False, False), (64, 128, 12, 4, True, 0, False, False),
-            (64, 128, 16, 4, True, 0, False, False), (128, 128, 8, 4, True, 0, False, False),
-            (128, 128, 10, 8, True, 0, False, False), (64, 256, 8, 4, True, 0, False, False),
+        for bn, bk, st, wp, g, ps, q, sm, un in [
+            (128, 128, 4, 4, True, 2, False, False, False),
+            (128, 128, 4, 4, True, 2, False, True, False),
+            (128, 128, 4, 4, True, 2, False, True, True),
+            (128, 128, 4, 4, False, 2, False, True, True),
         ]:
-            name = f"fp8x {bn}x{bk} s{st} w{wp} " + (f"{ps}/SM" if ps else "no split") + (" grouped" if g else "") + (
+            name = f"fp8x {bn}x{bk} s{st} w{wp} " + (f"{ps}/SM" if ps else "no split") + (
+                " unrolled" if un else "") + (" grouped" if g else "") + (
                 " +quant" if q else "") + (" +sum" if sm else "")
-            variants[name] = probe(bn, bk, st, wp, g, ps, q, sm)
+            variants[name] = probe(bn, bk, st, wp, g, ps, q, sm, un)
         for name, fn in variants.items():
             if fn is None:
                 step = lambda: [ours(x, xq, xs, w, s) for x, xq, xs, xg, w, s, qg, sg in inputs]  # noqa: E731

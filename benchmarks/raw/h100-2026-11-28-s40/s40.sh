@@ -47,3 +47,4 @@ f)  # q as committed against m: llama-3.1-8b FP8 decode at batch 1, 4, 8, 16, 32
   ;;
 esac
 # call 10 ran by hand, in .gpu: for t in q m q: bench latency --model random:llama-3.1-8b --quantization fp8 --input-len 128 --batch-size 16 (pinned, as lat)
+# call 11: ROWS=32 bash s40.sh d with fp8x_chain.py as archived (the probe's sum unrolled too)
