@@ -329,13 +329,14 @@ def test_an_fp8_projection_takes_the_fused_kernel_with_its_scale(monkeypatch):
     torch.testing.assert_close(act, want_act, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("block", [None, (64, 64)])
+@pytest.mark.parametrize("block", [None, (64, 64), (16, 16)])
 def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(monkeypatch, block):
     """FP8 weights (a scale a row; block-wise, whose groups are 64 wide) at 2-32 rows: a
     normed projection plans the norm kernel quantising its output, then fp8.py's kernel on
     that FP8 x (_fp8_norm_first), and gives every bit of the unfused sequence (the norm
     kernel, fp8_linear, SiLU-and-mul): with a bias, with SiLU, with a residual (the stream
-    added in place) and without one (the stream is x). float32 x keeps the unfused path."""
+    added in place) and without one (the stream is x). Blocks 16 wide (groups narrower than
+    the FP8 MMA's K) and float32 x keep the unfused path."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with building(QuantSpec("fp8", block) if block else None):
         proj, norm = linear_module.Linear(256, 192, bias=True), RMSNorm(256, 1e-6)
@@ -344,7 +345,8 @@ def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(mo
     proj.bias.data.copy_(torch.randn(192, generator=g))
     if block:
         proj.weight.data.copy_(torch.randn(192, 256, generator=g).to(torch.float8_e4m3fn))
-        proj.weight_scale_inv.data.copy_(torch.rand(3, 4, generator=g) + 0.5)
+        scales = proj.weight_scale_inv.shape
+        proj.weight_scale_inv.data.copy_(torch.rand(scales, generator=g) + 0.5)
     else:
         proj.weight.data.copy_(torch.randn(192, 256, generator=g))
         proj.quantize_at_load = True
@@ -354,7 +356,10 @@ def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(mo
         x = torch.randn(rows, 256, generator=g).bfloat16()
         residual = torch.randn(rows, 256, generator=g).bfloat16() if with_residual else None
         plan = proj.plan(x, norm, residual, silu)
-        assert plan.func is linear_module._fp8_norm_first
+        if block == (16, 16):
+            assert plan is None
+        else:
+            assert plan.func is linear_module._fp8_norm_first
         stream = None if residual is None else residual.clone()
         normed, want_stream = norm.stream(x.clone(), stream)
         want = proj(normed)
