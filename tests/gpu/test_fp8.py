@@ -17,6 +17,7 @@ from test_quantization import (  # noqa: F401 (fixture)
 from ostinato.kernels import fp8
 from ostinato.kernels.fp8 import GEMV_ROWS, fp8_linear, quantize_rows, quantize_tokens
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays
+from ostinato.kernels.norm import fused_add_rms_norm, rms_norm_to_fp8
 from ostinato.layers import linear as linear_module
 
 pytestmark = pytest.mark.gpu
@@ -113,6 +114,48 @@ def test_fp8_dot_rows_at_llama_shapes_replay_in_a_graph_as_float64_math(name, mo
                 out.zero_()
                 graph.replay()
                 torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * size)
+
+
+@pytest.mark.parametrize("name", ["qkv", "gate|up"])
+def test_the_norm_kernels_fp8_x_gives_the_loops_bits_at_llama_shapes_in_a_graph(name):
+    """llama-3.1-8b's normed projections (q|k|v, gate|up) at 8, 16 and 32 rows, per-row and
+    block-wise scales: the add + norm kernel quantising its output (rms_norm_to_fp8) and the
+    FP8 dot on that FP8 x, captured in a CUDA graph and replayed, give every bit of the fused
+    add + norm kernel followed by the FP8 dot quantising in its loop; the residual streams
+    equal too."""
+    n, k = LLAMA_8B[name]
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g) * 0.02
+    norm_weight = (torch.rand(k, generator=g) + 0.5).bfloat16().cuda()
+    for blockwise in (False, True):
+        q, scale = quantize_blocks(w) if blockwise else quantize_rows(w)
+        block = (128, 128) if blockwise else None
+        q, scale = q.cuda(), scale.cuda()
+        for rows in (8, 16, 32):
+            assert fp8.fp8_x_pays(rows, torch.bfloat16, block)
+            x = torch.randn(rows, k, generator=g).bfloat16().cuda()
+            residual = torch.randn(rows, k, generator=g).bfloat16().cuda()
+            normed, want_stream = x.clone(), residual.clone()
+            fused_add_rms_norm(normed, want_stream, norm_weight, 1e-5)
+            want = fp8_linear(normed, q, scale, block=block)
+            stream = residual.clone()
+            args = (x, stream, norm_weight, q, scale, block)
+            normed_fp8_projection(*args)  # compiles, and a split's counts, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = normed_fp8_projection(*args)
+            for _ in range(2):
+                stream.copy_(residual)
+                out.zero_()
+                graph.replay()
+                torch.testing.assert_close(out, want, rtol=0, atol=0)
+                torch.testing.assert_close(stream, want_stream, rtol=0, atol=0)
+
+
+def normed_fp8_projection(x, stream, norm_weight, q, scale, block):
+    """stream += x, then the norm kernel's FP8 x through the FP8 dot (as _fp8_norm_first)."""
+    xq, xs = rms_norm_to_fp8(x, stream, norm_weight, 1e-5, fp8.x_group(block))
+    return fp8.fp8_gemv(xq, q, scale, block, x_scales=xs, dtype=x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
