@@ -165,6 +165,17 @@ def random_fp8_weights(n: int, k: int, block: tuple[int, int] | None, g: torch.G
     return q, scale, expanded.repeat_interleave(block[1], 1)[:, :k]
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (FP8 [M, K], float32 scales [M, ceil(K / group)]) as the FP8 dot rows
+    quantise x, in torch: each group's scale its largest magnitude (at least 1e-12) over 448;
+    x / scale clamped to +-448 and rounded to FP8."""
+    m, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    scale = padded.abs().amax(2, keepdim=True).clamp(min=1e-12) / 448.0
+    q = (padded / scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, -1)[:, :k]
+    return q, scale.view(m, -1)
+
+
 def grouped_x(x: torch.Tensor, group: int = 128) -> torch.Tensor:
     """x [M, K] as the FP8 dot rows take it, in float64: each row in groups of `group`
     columns (the last one shorter), each group divided by its scale (its largest magnitude,
@@ -281,7 +292,7 @@ def test_the_norm_kernel_quantises_what_it_would_store_as_the_fp8_dot_rows_do(
         fused_add_rms_norm(want, stream, weight, 1e-6)
     else:
         want = rms_norm(x, weight, 1e-6)
-    want_q, want_s = fp8.quantize_groups(want, group)
+    want_q, want_s = quantize_groups(want, group)
     assert want_s.shape == (rows, -(-n // group))
     torch.testing.assert_close(want_q.double() * want_s.repeat_interleave(group, 1)[:, :n].double(),
                                grouped_x(want, group), rtol=0, atol=0)  # fmt: skip
@@ -311,7 +322,7 @@ def test_fp8_dot_rows_take_x_quantised_before_them_as_they_quantise_it(
     """fp8_gemv given x already quantised (FP8 and its group scales, as the norm kernel hands
     them over) gives every bit the kernel gives where it quantises x itself; x and its scales
     among NaNs (a scale past the last group read would turn the output NaN). A launch without
-    the FP8 dot cannot take an FP8 x."""
+    the FP8 dot cannot take an FP8 x, and an FP8 x needs its output dtype named."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(rows * n + k)
     x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
@@ -320,13 +331,15 @@ def test_fp8_dot_rows_take_x_quantised_before_them_as_they_quantise_it(
     want = fp8_linear(x, w, scale, bias, block) if config is None else (
         fp8_gemv(x, w, scale, block, config)
     )  # fmt: skip
-    q, s = fp8.quantize_groups(x, fp8.x_group(block))
+    q, s = quantize_groups(x, fp8.x_group(block))
     q, s = nan_fenced(q, k + 3), nan_fenced(s, s.shape[1] + 1)
     got = fp8_gemv(q, w, scale, block, config, x_scales=s, dtype=torch.bfloat16)
     if config is None:
         got += bias
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="output dtype"):
+        fp8_gemv(q, w, scale, block, config, x_scales=s)
     weight_only = fp8.gemv_config(rows, n, k, block, 4)._replace(fp8_x=False)
     with pytest.raises(ValueError, match="FP8 x FP8 dot"):
         fp8_gemv(q, w, scale, block, weight_only, x_scales=s, dtype=torch.bfloat16)

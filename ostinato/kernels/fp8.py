@@ -179,17 +179,6 @@ def fp8_x_pays(m: int, dtype: torch.dtype, block: tuple[int, int] | None) -> boo
     )  # fmt: skip
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (FP8 [M, K], float32 scales [M, ceil(K / group)]) as the FP8 dot rows
-    quantise x, in torch: each group's scale its largest magnitude (at least 1e-12) over 448;
-    x / scale clamped to +-448 and rounded to FP8 (the reference of the kernels that do it)."""
-    m, k = x.shape
-    padded = F.pad(x.float(), (0, -k % group)).view(m, -1, group)
-    scale = padded.abs().amax(2, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    q = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(m, -1)[:, :k]
-    return q, scale.view(m, -1)
-
-
 def x_group(block: tuple[int, int] | None) -> int:
     """Columns of x per activation scale on the FP8 x FP8 path: X_GROUP, narrower where a
     block-wise checkpoint's scale blocks are (a group lies in one weight block)."""
@@ -428,11 +417,13 @@ def fp8_gemv(
 ) -> torch.Tensor:
     """fp8_linear's small-batch kernel (Triton only), in gemv_config's launch configuration
     or the one given (benchmarks time others). With x_scales, x comes quantised as the FP8
-    dot rows take it (FP8, and its scales [M, cdiv(K, x_group(block))]: quantize_groups's,
-    or the norm kernel's, kernels/norm.py) and y is in dtype."""
+    dot rows take it (FP8, and its scales [M, cdiv(K, x_group(block))]: the norm kernel's,
+    kernels/norm.py) and y is in dtype, which it then needs."""
     m, k = x.shape
     n = w.shape[0]
     quantized = x_scales is not None
+    if quantized and dtype is None:
+        raise ValueError("fp8_gemv on x quantised to FP8 needs the output dtype (dtype=)")
     dtype = dtype if quantized else x.dtype
     y = torch.empty(m, n, dtype=dtype, device=x.device)
     if m == 0:

@@ -40,6 +40,7 @@ from ostinato.kernels.dispatch import (
     split_counts,
     use_triton,
 )
+from ostinato.kernels.fp8 import dequantize
 from ostinato.kernels.launch import Launch
 from ostinato.kernels.norm import rms_norm_torch
 from ostinato.kernels.small_batch import (
@@ -172,7 +173,7 @@ def gemv_normed(
 
 def gemv_torch(x, weight, bias=None, silu_and_mul=False, add=None, scale=None):
     if scale is not None:  # FP8: dequantised, as fp8_linear's CPU path
-        weight = (weight.float() * scale).to(x.dtype)
+        weight = dequantize(weight, scale, None).to(x.dtype)
     y = F.linear(x, weight, bias)
     y = silu_and_mul_torch(y) if silu_and_mul else y
     return y if add is None else y + add
@@ -459,9 +460,8 @@ class GemvPlan:
     def __call__(self, x, weight, bias=None, residual=None, norm_weight=None, add=None, scale=None):
         """-> (y, the input stream: x + residual when it adds a residual first, else x), and
         with normed_out the normalised input third (scale: FP8 weights' per row). The new
-        tensors are contiguous, in x's
-        dtype, on its device (new_empty: the cheapest allocation from Python, about 1 µs under
-        torch.empty with a dtype and device)."""
+        tensors are contiguous, in x's dtype, on its device (new_empty: the cheapest
+        allocation from Python, about 1 µs under torch.empty with a dtype and device)."""
         y = x.new_empty(self.m, self.n_out)
         stream = x.new_empty(self.m, self.k) if self.add_in else x
         normed = x.new_empty(self.m, self.k) if self.normed_out else None

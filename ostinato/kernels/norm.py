@@ -34,7 +34,8 @@ def rms_norm_to_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm(x) (with residual: residual += x in place, then rms_norm(residual)), rounded
     to x's dtype as the norm kernel stores it, then quantised to FP8 per group of `group`
-    columns (fp8.quantize_groups' math) -> (FP8 [M, n], float32 scales [M, cdiv(n, group)]),
+    columns as the FP8 dot rows quantise x (fp8.py: activation_scale, quantize_fp8) -> (FP8
+    [M, n], float32 scales [M, cdiv(n, group)]),
     in one kernel (Triton only): what fp8_gemv's FP8 dot rows take."""
     m, n = x.shape
     q = torch.empty(m, n, dtype=FP8, device=x.device)
