@@ -29,7 +29,8 @@ from ostinato.kernels import (
     silu_and_mul,
 )
 from ostinato.kernels.activation import silu_and_mul_torch
-from ostinato.kernels.dispatch import Kernel, interpreting, jit
+from ostinato.kernels.argmax import CHUNK, argmax_rows
+from ostinato.kernels.dispatch import Kernel, interpreting, jit, split_counts
 from ostinato.kernels.launch import Launch
 from ostinato.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from ostinato.kernels.paged_attention import (
@@ -104,6 +105,27 @@ def test_interpreted_launch_leaves_triton_language_compiled():
 def rms_norm_64(x, weight, eps):
     x = x.double()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_is_torchs_argmax_across_its_chunks(dtype):
+    """The split argmax picks what torch's does: the first of equal largest values where they
+    lie in different chunks (a later chunk's equal value loses, an earlier one wins), the first
+    NaN over an earlier +inf, 0 in a row of -inf, on rows a stride wider than the vocabulary;
+    and it leaves its counts at 0, so a second call gives the same."""
+    vocab = 2 * CHUNK + 7  # three chunks, the last one ragged
+    logits = torch.randn(5, vocab + 3).to(dtype)[:, :vocab]
+    logits[0, [CHUNK + 1, 2 * CHUNK + 5]] = 9.0  # tie across chunks 1 and 2
+    logits[1, [2 * CHUNK + 2, 3]] = 9.0  # tie across chunks 2 and 0
+    logits[2, 2] = float("inf")
+    logits[2, [CHUNK + 9, 2 * CHUNK]] = NAN
+    logits[3] = float("-inf")
+    logits[4, vocab - 1] = 9.0  # the ragged chunk's last column
+    want = logits.argmax(dim=-1)
+    assert want.tolist() == [CHUNK + 1, 3, CHUNK + 9, 0, vocab - 1]
+    for _ in range(2):
+        assert torch.equal(argmax_rows(logits), want)
+        assert not split_counts(logits.device, "argmax").any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

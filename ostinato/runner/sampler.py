@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ostinato.kernels.argmax import argmax_rows
 from ostinato.kernels.bitmask import apply_token_bitmask
 from ostinato.kernels.nucleus import top_p_mask
 from ostinato.runner.deadline import wait_for
@@ -184,7 +185,7 @@ class Sampler:
         if bitmask is None and _only_greedy_tokens(rows):
             # the argmax of the logits as they are: widening to float32 is exact, so the
             # token is the same without the cast kernel (4-14 us a step on the H100)
-            return SampledTokens(rows, logits.argmax(dim=-1), None, prompt, self.timeout)
+            return SampledTokens(rows, argmax_rows(logits), None, prompt, self.timeout)
         logits = logits.float()
         if bitmask is not None:
             data = _on(logits.device, torch.from_numpy(bitmask.data))
@@ -192,7 +193,7 @@ class Sampler:
         owners = [row for row in rows for _ in range(1 + len(row.draft_token_ids))]
         processed = process_logits(logits, rows, owners, input_tokens)
         if all(row.params.greedy for row in rows):
-            tokens = processed.argmax(dim=-1)
+            tokens = argmax_rows(processed)
         else:
             tokens = self._sample(processed, owners)
         logprobs = self._logprobs(logits, owners, tokens)
@@ -213,7 +214,7 @@ class Sampler:
         if not any(s.params.greedy for s in owners):
             return sampled
         greedy = _on(device, [s.params.greedy for s in owners])
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, argmax_rows(logits), sampled)
 
     def _logprobs(
         self, logits: torch.Tensor, owners: list[SamplingRow], tokens: torch.Tensor

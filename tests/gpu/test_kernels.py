@@ -13,6 +13,7 @@ from ostinato.kernels import (
     rope_and_store,
     silu_and_mul,
 )
+from ostinato.kernels.argmax import argmax_rows
 from ostinato.kernels.gemv import gemv, gemv_normed, gemv_pays, rows_pay
 from ostinato.kernels.nucleus import _top_p_mask_triton, top_p_mask_torch
 from ostinato.kernels.paged_attention import Rope, choose_config
@@ -90,6 +91,24 @@ def test_silu_and_mul_bf16():
     x = torch.randn(2048, 2 * 14336, device="cuda", dtype=BF16)
     gate, up = x.double().chunk(2, dim=-1)
     assert_rel(silu_and_mul(x), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("vocab", [128256, 151936])
+@pytest.mark.parametrize("rows", [1, 8, 32, 300])
+def test_argmax_rows_is_torchs_argmax(rows, vocab, dtype):
+    """The split argmax against torch's at llama-3.1-8b's and Qwen3's vocabularies: logits of
+    random spread (bfloat16 rounding makes ties), some rows with a copied largest value in
+    another chunk, a NaN after an earlier +inf, or all -inf; twice, so the counts reset."""
+    logits = (torch.randn(rows, vocab, device="cuda") * 4).to(dtype)
+    logits[::3, -1] = logits[::3].max(dim=-1).values  # ties into the last chunk
+    logits[1::5, 0] = logits[1::5].max(dim=-1).values  # ties into the first chunk
+    logits[2::7, 5000] = float("inf")
+    logits[2::7, 70000] = NAN
+    logits[3::11] = float("-inf")
+    want = logits.argmax(dim=-1)
+    for _ in range(2):
+        assert torch.equal(argmax_rows(logits), want)
 
 
 @pytest.mark.parametrize("rows", [1, 64, 256])
