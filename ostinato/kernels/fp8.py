@@ -304,7 +304,9 @@ def _fp8_gemv_kernel(
     scaled by its rows' x scales (and its block's weight scale) into the fp32 sum. F32_DOT
     here: the product of the FP8 values in float32 (the interpreter has no FP8 dot);
     EMULATE: the interpreter's rounding (quantize_fp8). X_FP8: x comes quantised so (FP8, its
-    scales at xs_ptr [M, cdiv(K, GROUP)], stride_xs apart): no quantising here.
+    scales at xs_ptr [M, cdiv(K, GROUP)], stride_xs apart): no quantising here; each group's
+    scales are loaded a group ahead (loaded in their own step, they were scalar loads outside
+    the pipeline that the scaling waited for: Triton 3.9's sm_90 SASS).
 
     SPLIT > 1: each program stores its fp32 partial in part_ptr [SPLIT, M, N] and counts
     itself in sem_ptr[tile]; the last of a tile's programs sums the partials and stores y
@@ -345,16 +347,21 @@ def _fp8_gemv_kernel(
         x_rows = x_ptr + rows[:, None] * stride_xm
         if FP8_X:
             acc_t = tl.zeros([BLOCK_N, ROWS], tl.float32)  # y transposed
-            for k0 in range(k_lo, tl.minimum(k_lo + SPAN, K), BLOCK_K):
+            k_end = tl.minimum(k_lo + SPAN, K)
+            if X_FP8:  # each group's x scales load a group ahead (see above)
+                xs_rows = xs_ptr + rows * stride_xs
+                xs_next = tl.load(xs_rows + k_lo // GROUP, mask=rows < M, other=0.0)
+            for k0 in range(k_lo, k_end, BLOCK_K):
                 for g in tl.static_range(BLOCK_K // GROUP):
                     kk = k0 + g * GROUP + tl.arange(0, GROUP)
                     w = load_weights(w_rows, kk, col_ok, K, EVEN)
                     x_ok = (rows < M)[:, None] & (kk < K)[None, :]
                     if X_FP8:
                         xq = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0)
-                        xs_ok = tl.where(k0 + g * GROUP < K, rows < M, False)
-                        xs = tl.load(xs_ptr + rows * stride_xs + (k0 + g * GROUP) // GROUP,
-                                     mask=xs_ok, other=0.0)  # fmt: skip
+                        xs = xs_next
+                        ahead = k0 + (g + 1) * GROUP
+                        xs_ok = tl.where(ahead < k_end, rows < M, False)
+                        xs_next = tl.load(xs_rows + ahead // GROUP, mask=xs_ok, other=0.0)
                     else:
                         x = tl.load(x_rows + kk[None, :], mask=x_ok, other=0.0).to(tl.float32)
                         xs, xr = activation_scale(tl.max(tl.abs(x), axis=1))
