@@ -2,11 +2,12 @@
 NaN counts as larger than any number, so the first NaN where a row has one), split over
 programs.
 
-torch's argmax reads a row of the vocabulary with few blocks: 37 µs a step for llama-3.1-8b's
-bf16 logits at batch 1 on the H100 (benchmarks/h100-2026-11-28-s40.md), against the 256 KB
-a row it reads. Here each row's vocabulary is split in chunks of CHUNK over programs; each
-stores its chunk's best (value, index), and the last of the row's programs to finish (its
-count, as the split GEMVs count: kernels/small_batch.py) picks the row's best of those.
+torch's argmax reads a row of llama-3.1-8b's vocabulary with few blocks: 26 µs for its
+256 KB of bf16 logits on the H200 (8 for Qwen3's larger one), where this kernel takes 2.2
+(benchmarks/h200-2026-11-28-s41.md). Here each row's vocabulary is split in chunks of CHUNK
+over programs; each stores its chunk's best (value, index), and the last of the row's
+programs to finish (its count, as the split GEMVs count: kernels/small_batch.py) picks the
+row's best of those.
 """
 
 from __future__ import annotations
