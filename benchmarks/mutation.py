@@ -24,7 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # module -> (source file, the tests that guard it)
 MODULES: dict[str, tuple[str, list[str]]] = {
-    "sampler": ("ostinato/runner/sampler.py", ["tests/test_sampler.py", "tests/test_rejection.py"]),
+    "sampler": (
+        "ostinato/runner/sampler.py",
+        ["tests/test_sampler.py", "tests/test_rejection.py", "tests/test_sampling_params.py"],
+    ),
     "rejection": ("ostinato/speculative/rejection.py", ["tests/test_rejection.py"]),
     "ngram": ("ostinato/speculative/ngram.py", ["tests/test_ngram.py"]),
     "protocol": ("ostinato/server/protocol.py", ["tests/test_protocol.py"]),

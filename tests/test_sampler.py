@@ -241,3 +241,44 @@ def test_greedy_only_rows_take_the_argmax_of_the_logits_as_they_are(monkeypatch)
         more = SamplingRow("c", params, 1, history=history if params.penalized else None)
         Sampler()(logits[:2], [SamplingRow("b", greedy, 0), more])
         assert widened.pop() == torch.float32
+
+
+def test_the_warm_up_rows_take_every_path_of_the_sampler(monkeypatch):
+    """The engine's warm-up runs the sampler on these rows so that no path first runs (and
+    allocates, or compiles) mid-serving: warm_up_rows, a seeded row then greedy and
+    everything-else rows in turn, take the logits processors, min-p, top-k with top-p over
+    the ranked candidates, the seeded noise and logprobs; nucleus_rows take the top-p mask
+    over the whole vocabulary; greedy_rows the argmax of the logits as they are, alone."""
+    taken = []
+
+    def spy(owner, name):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a: taken.append(name) or real(*a))
+
+    for name in ("_min_p", "_top_k_top_p", "top_p_mask", "_position_noise", "argmax_rows"):
+        spy(sampler_module, name)
+    processed = []  # (logits in, logits out)
+
+    def process(*args):
+        processed.append((args[0], process_logits(*args)))
+        return processed[-1][1]
+
+    monkeypatch.setattr(sampler_module, "process_logits", process)
+    logits = torch.randn(5, 32).bfloat16()
+    rows = sampler_module.warm_up_rows(5)
+    assert [row.request_id for row in rows] == ["seeded", "greedy", "every", "greedy", "every"]
+    out = Sampler()(logits, rows)
+    wants_logprobs = [p is not None for p in out.logprobs]
+    assert len(out.token_ids) == 5 and wants_logprobs == [False, False, True, False, True]
+    assert {"_min_p", "_top_k_top_p", "_position_noise"} <= set(taken)
+    assert "top_p_mask" not in taken  # top-k's ranked candidates
+    ((before, after),) = processed
+    for row in (2, 4):  # min_tokens bans id 0, the bias moves id 5, repetition the prompt's 1
+        assert after[row, 0] == float("-inf") and after[row, 5] != before[row, 5]
+        assert after[row, 1] != before[row, 1]
+    taken.clear()
+    assert len(Sampler()(logits[:3], sampler_module.nucleus_rows(3)).token_ids) == 3
+    assert "top_p_mask" in taken and "_min_p" not in taken
+    taken.clear()
+    assert len(Sampler()(logits[:3], sampler_module.greedy_rows(3)).token_ids) == 3
+    assert taken == ["argmax_rows"]  # the logits as they are: nothing before it

@@ -13,6 +13,7 @@ from oracle import hf_model
 from test_async_scheduling import assert_nothing_leaked
 
 from ostinato import LLM, SamplingParams
+from ostinato.runner import sampler as sampler_module
 from ostinato.runner.logits_processors import process_logits
 from ostinato.runner.sampler import Sampler
 from ostinato.runner.step import SamplingRow, TokenHistory
@@ -83,6 +84,17 @@ def test_min_p_keeps_only_tokens_above_its_share_of_the_best():
         Sampler()(probs.log(), [SamplingRow("r", params, i)]).token_ids[0][0] for i in range(200)
     }
     assert seen == {0, 1}  # 0.15 < 0.5 * 0.5
+
+
+def test_min_p_masks_its_own_rows_only_and_one_keeps_the_best():
+    """In a batch with a row that sets no min_p, that row keeps every token; min_p = 1 keeps
+    the most likely token alone (a token at the floor is kept, not masked)."""
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3)
+    rows = [SamplingRow("none", SamplingParams(temperature=1.0), 0),
+            SamplingRow("half", SamplingParams(temperature=1.0, min_p=0.5), 0),
+            SamplingRow("one", SamplingParams(temperature=1.0, min_p=1.0), 0)]  # fmt: skip
+    kept = torch.isfinite(sampler_module._min_p(probs.log(), rows))
+    assert kept.tolist() == [[True] * 4, [True, True, False, False], [True, False, False, False]]
 
 
 @pytest.mark.parametrize(
