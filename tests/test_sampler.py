@@ -9,7 +9,7 @@ import torch
 from ostinato.runner import sampler as sampler_module
 from ostinato.runner.logits_processors import process_logits
 from ostinato.runner.sampler import SampledTokens, Sampler
-from ostinato.runner.step import SamplingRow, TokenHistory
+from ostinato.runner.step import PromptRows, SamplingRow, TokenHistory
 from ostinato.sampling_params import SamplingParams
 
 
@@ -282,3 +282,16 @@ def test_the_warm_up_rows_take_every_path_of_the_sampler(monkeypatch):
     taken.clear()
     assert len(Sampler()(logits[:3], sampler_module.greedy_rows(3)).token_ids) == 3
     assert taken == ["argmax_rows"]  # the logits as they are: nothing before it
+
+
+def test_prompt_scores_of_logits_in_chunks_equal_those_of_one_chunk():
+    """PromptScores.score takes the scored rows' logits a few rows at a time: each chunk's
+    prompt tokens are the targets that follow the chunks before it."""
+    rows = [PromptRows("a", 1, (3, 0, 5), 2), PromptRows("b", 1, (7, 2), 1)]
+    logits = torch.randn(5, 8)
+    whole = sampler_module.PromptScores.score(rows, iter([logits]), logits.device)
+    chunks = sampler_module.PromptScores.score(rows, iter(logits.split(2)), logits.device)
+    want = logits.log_softmax(dim=-1)[torch.arange(5), torch.tensor([3, 0, 5, 7, 2])]
+    torch.testing.assert_close(whole.chosen, want)
+    for got, expected in ((chunks.chosen, whole.chosen), (chunks.top_ids, whole.top_ids)):
+        torch.testing.assert_close(got, expected)
