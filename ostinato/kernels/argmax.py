@@ -27,7 +27,8 @@ _launches: dict[tuple, Launch] = {}
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """int64 [rows]: logits.argmax(dim=-1) of a 2-D logits tensor whose rows are contiguous."""
+    """int64 [rows]: logits.argmax(dim=-1) of 2-D logits (torch's own on the CPU, or where a
+    row's entries are not contiguous)."""
     rows, vocab = logits.shape
     if not use_triton(logits) or rows > SPLIT_COUNTS or logits.stride(1) != 1 or not rows:
         return logits.argmax(dim=-1)
