@@ -33,9 +33,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if not use_triton(logits) or rows > SPLIT_COUNTS or logits.stride(1) != 1 or not rows:
         return logits.argmax(dim=-1)
     split = triton.cdiv(vocab, CHUNK)
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    values = torch.empty(rows, split, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(rows, split, dtype=torch.int32, device=logits.device)
+    # new_empty: the sampler calls this every step, and it allocates with less Python
+    tokens = logits.new_empty(rows, dtype=torch.int64)
+    values = logits.new_empty(rows, split, dtype=torch.float32)
+    indices = logits.new_empty(rows, split, dtype=torch.int32)
     key = (logits.device, vocab, logits.stride(0))
     launch = _launches.get(key)
     if launch is None:
