@@ -145,3 +145,16 @@ def test_latency_numbers_follow_a_fake_clock(monkeypatch):
         for r in bench.bench_latency(engine, seconds, args, None):
             assert r["ttft_ms"] == pytest.approx(ttft if r["batch_size"] == 3 else 10.0)
             assert r["tpot_ms"] == pytest.approx(10.0)
+
+
+def test_latency_reports_the_median_of_each_number(monkeypatch):
+    """TTFT and TPOT are each their own median over the timed runs: the run with the median
+    TTFT (20 ms) is the one with an outlying TPOT (30 ms), which must not be reported."""
+    runs = iter([(1.0, 1.0), (0.010, 0.010), (0.020, 0.030), (0.030, 0.011)])  # warm-up first
+    monkeypatch.setattr(bench, "_timed_run", lambda *args: next(runs))
+    engine, seconds = bench._build(EngineConfig(device="cpu"))
+    args = argparse.Namespace(batch_size=[1], input_len=8, output_len=4, iters=3, num_loras=[0],
+                              lora_rank=16)  # fmt: skip
+    (result,) = bench.bench_latency(engine, seconds, args, None)
+    assert result["ttft_ms"] == pytest.approx(20.0)
+    assert result["tpot_ms"] == pytest.approx(11.0)
