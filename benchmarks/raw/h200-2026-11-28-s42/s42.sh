@@ -75,3 +75,11 @@ f)  # the FP8 kernel's launch sweep at 8 and 32 rows (f); decode attention split
   for tree in f s2; do LAT_S=70 lat $tree --model random:llama-3.1-8b --input-len 128 --batch-size 32 --capture-sizes 32; done
   ;;
 esac
+case $1 in
+g)  # f (main + the bench fix): GPU tests not yet run on an H200: async scheduling in graphs, sampling parameters, structured outputs
+    # (call 7: test_structured_gpu.py needs jsonschema, which the image lacks and .whl does not carry; calls 8-11 ran pytest directly
+    # in .gpu/f: 8 without PYTHONPATH=.:/tmp/site (llguidance not found), then with it test_async_graphs.py + test_sampling_params_gpu.py,
+    # test_breakable.py + test_check_graphs.py, test_warm_up.py + test_device_deadline.py)
+  tests f 250 tests/gpu/test_async_graphs.py tests/gpu/test_sampling_params_gpu.py tests/gpu/test_structured_gpu.py
+  ;;
+esac
