@@ -59,6 +59,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "ostinato/sampling_params.py",
         ["tests/test_sampling_params_checks.py", "tests/test_sampling_params.py"],
     ),
+    "bitmask": ("ostinato/structured/bitmask.py", ["tests/test_structured_outputs.py"]),
+    "grammar": ("ostinato/structured/grammar.py", ["tests/test_structured_outputs.py"]),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part

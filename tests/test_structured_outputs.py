@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import fence_intact, nan_fenced
-from llguidance import LLExecutor
+from llguidance import LLExecutor, LLMatcher
 
 from ostinato import LLM, SamplingParams
 from ostinato.kernels import bitmask as bitmask_kernel
@@ -20,8 +20,9 @@ from ostinato.kernels.bitmask import apply_token_bitmask
 from ostinato.runner.step import SamplingRow
 from ostinato.sampling_params import StructuredOutputsParams
 from ostinato.structured import bitmask
+from ostinato.structured import grammar as grammar_module
 from ostinato.structured.bitmask import TokenBitmask, fill_bitmask
-from ostinato.structured.grammar import GrammarCompiler
+from ostinato.structured.grammar import GrammarCompiler, grammar_text
 from ostinato.tokenizer import ByteTokenizer
 
 SCHEMA = {
@@ -88,13 +89,25 @@ def test_apply_token_bitmask_matches_a_bit_by_bit_reference(monkeypatch, path):
     assert torch.equal(got[[0, 3]], logits[[0, 3]])  # unconstrained rows keep every token
 
 
-@pytest.mark.parametrize(("plain", "threads"), [(1, True), (2, True), (2, False)])
+class CountingExecutor:
+    """llguidance's executor, counting the calls that fill rows over its threads."""
+
+    def __init__(self) -> None:
+        self.executor, self.calls = LLExecutor(), 0
+
+    def unsafe_compute_mask_ptr(self, *args):
+        self.calls += 1
+        return self.executor.unsafe_compute_mask_ptr(*args)
+
+
+@pytest.mark.parametrize(("plain", "threads"), [(1, True), (2, True), (3, True), (3, False)])
 def test_fill_bitmask_lists_the_constrained_rows_plain_and_drafts(monkeypatch, plain, threads):
     """Rows without drafts are filled in one call over llguidance's threads when there are
-    several and the vocabulary is large, else one by one; a request's draft rows as far as its
-    grammar accepts the drafts."""
-    if threads:  # llguidance's thread pool, as for large vocabularies
-        monkeypatch.setattr(bitmask, "PARALLEL_FROM_VOCAB", 0)
+    several and the vocabulary is large (from PARALLEL_FROM_VOCAB on), else one by one; a
+    request's draft rows as far as its grammar accepts the drafts, and a constrained request
+    after them at the logits row after all of its drafts'."""
+    if threads:  # llguidance's thread pool, as for large vocabularies: from this one on
+        monkeypatch.setattr(bitmask, "PARALLEL_FROM_VOCAB", 258)
     compiler = GrammarCompiler(ByteTokenizer())
     regex = StructuredOutputsParams(regex="ab[0-9]c")
     rows = [
@@ -103,24 +116,29 @@ def test_fill_bitmask_lists_the_constrained_rows_plain_and_drafts(monkeypatch, p
         SamplingRow("json", SamplingParams(structured_outputs=regex), 0),
         # drafts "a", "b", "x": the third is forbidden, so the row after it is never used
         SamplingRow("drafts", SamplingParams(structured_outputs=regex), 0, (97, 98, 120)),
+        SamplingRow("after", SamplingParams(structured_outputs=regex), 0),
     ]
-    moved = compiler.matcher(regex)
+    moved, after = compiler.matcher(regex), compiler.matcher(regex)
     moved.consume_tokens([97, 98])
-    matchers = [None, compiler.matcher(regex), moved, compiler.matcher(regex)]
-    if plain == 1:
-        matchers[2] = None
-    mask = fill_bitmask(rows, matchers, 258, LLExecutor())
+    after.consume_tokens([97])
+    matchers = [None, compiler.matcher(regex), moved, compiler.matcher(regex), after]
+    matchers[1 : 4 - plain] = [None] * (3 - plain)  # `plain` rows without drafts: 1 to 3
+    executor = CountingExecutor()
+    mask = fill_bitmask(rows, matchers, 258, executor)
     digits = set(range(ord("0"), ord("9") + 1))
     want = {1: {ord("a")}, 2: digits}  # row 2: its own state, after "ab"
     # the drafts' rows: before any draft, after draft "a", after "ab"; the one after "x" is free
-    want.update({3: {ord("a")}, 4: {ord("b")}, 5: digits})
-    if plain == 1:
-        del want[2]
+    want.update({3: {ord("a")}, 4: {ord("b")}, 5: digits, 7: {ord("b")}})  # 7: after "a"
+    for row in range(1, 4 - plain):
+        del want[row]
     assert mask.bits.shape == (len(want), -(-258 // 32))
     assert mask.rows.tolist() == sorted(want)
     assert [_allowed(bits) for bits in mask.bits] == [want[r] for r in sorted(want)]
+    assert executor.calls == (threads and plain > 1)
     assert matchers[3].validate_tokens([97]) == 1  # the drafts left the matcher where it was
-    assert fill_bitmask(rows[:1], matchers[:1], 258, LLExecutor()) is None  # none constrained
+    assert fill_bitmask(rows[:1], matchers[:1], 258, executor) is None  # none constrained
+    with pytest.raises(ValueError):  # a matcher (or None) per row, or the rows would shift
+        fill_bitmask(rows, matchers[:-1], 258, executor)
 
 
 @pytest.mark.parametrize("num_rows", range(1, 10))
@@ -140,16 +158,67 @@ def test_a_masks_rows_and_bits_start_16_bytes_apart_whatever_its_row_count(num_r
 def test_grammars_are_cached_and_bad_ones_name_the_problem():
     compiler = GrammarCompiler(ByteTokenizer())
     a = compiler.matcher(StructuredOutputsParams(json=SCHEMA))
+    (template,) = compiler._cache.values()
+    assert isinstance(template, LLMatcher)  # the compiled grammar, which later requests copy
     b = compiler.matcher(StructuredOutputsParams(json=json.dumps(SCHEMA)))
     assert len(compiler._cache) == 1 and a is not b  # one compile, a matcher per request
+    assert list(compiler._cache.values()) == [template]  # b's came from the cache
     a.consume_token(ord("{"))
     assert b.validate_tokens([ord("{")]) == 1  # b did not move with a
     with pytest.raises(ValueError, match="structured_outputs.json: .*objectx"):
         compiler.matcher(StructuredOutputsParams(json={"type": "objectx"}))
-    with pytest.raises(ValueError, match="structured_outputs.regex: .*unclosed"):
+    # llguidance's message on one line: its first line and its parser's `error:` line, without
+    # its drawing of the regex and of the grammar
+    unclosed = (
+        'structured_outputs.regex: at 1(8): invalid regex "[a-" (in regex): regex parse '
+        "error: error: unclosed character class"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(unclosed)}$"):
         compiler.matcher(StructuredOutputsParams(regex="[a-"))
+    with pytest.raises(
+        ValueError, match='^structured_outputs.grammar: at 1.8.: unknown name: "foo"$'
+    ):
+        compiler.matcher(StructuredOutputsParams(grammar="start: foo"))
+    with pytest.raises(ValueError, match="^structured_outputs.json: not valid JSON: Expecting "):
+        compiler.matcher(StructuredOutputsParams(json="{"))
+    with pytest.raises(ValueError, match="^structured_outputs.json: a JSON schema must be an obj"):
+        compiler.matcher(StructuredOutputsParams(json="[1, 2]"))
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(regex="a", choice=["b"])
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used():
+    """At cache_size grammars, a new one evicts the least recently used; a hit makes a grammar
+    the most recent and compiles nothing."""
+    compiler = GrammarCompiler(ByteTokenizer(), cache_size=2)
+    params = {r: StructuredOutputsParams(regex=r) for r in "abc"}
+    text = {r: grammar_text(p) for r, p in params.items()}
+    for r in "aba":  # the second "a" is a hit
+        compiler.matcher(params[r])
+    assert list(compiler._cache) == [text["b"], text["a"]]
+    compiler.matcher(params["c"])  # evicts "b", the least recently used
+    assert list(compiler._cache) == [text["a"], text["c"]]
+    held = compiler._cache[text["c"]]
+    compiler.matcher(params["b"])  # compiled again, evicting "a"
+    assert list(compiler._cache) == [text["c"], text["b"]] and compiler._cache[text["c"]] is held
+
+
+def test_the_compiler_times_each_steps_bitmask(monkeypatch):
+    """bitmask() adds each call's host time to mask_seconds and counts it in mask_steps;
+    with a large vocabulary its rows without drafts go through llguidance's threads."""
+    monkeypatch.setattr(bitmask, "PARALLEL_FROM_VOCAB", 0)
+    clock = iter([1.0, 1.5, 3.0, 3.25])
+    monkeypatch.setattr(grammar_module.time, "perf_counter", lambda: next(clock))
+    compiler = GrammarCompiler(ByteTokenizer())
+    assert (compiler.mask_seconds, compiler.mask_steps) == (0.0, 0)
+    regex = StructuredOutputsParams(regex="ab")
+    rows = [SamplingRow(str(i), SamplingParams(structured_outputs=regex), 0) for i in range(2)]
+    matchers = [compiler.matcher(regex) for _ in rows]
+    mask = compiler.bitmask(rows, matchers)
+    assert [_allowed(bits) for bits in mask.bits] == [{ord("a")}] * 2
+    assert (compiler.mask_seconds, compiler.mask_steps) == (0.5, 1)
+    compiler.bitmask(rows, matchers)
+    assert (compiler.mask_seconds, compiler.mask_steps) == (0.75, 2)
 
 
 # ---- generation -------------------------------------------------------------------------
