@@ -61,6 +61,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     ),
     "bitmask": ("ostinato/structured/bitmask.py", ["tests/test_structured_outputs.py"]),
     "grammar": ("ostinato/structured/grammar.py", ["tests/test_structured_outputs.py"]),
+    "explain": ("ostinato/graphs/explain.py", ["tests/test_explain.py"]),
+    "modes": ("ostinato/graphs/modes.py", ["tests/test_compat.py", "tests/test_dispatcher.py"]),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part

@@ -156,6 +156,48 @@ def test_a_checkpoints_fp8_blocks_are_shown_as_they_are():
     assert report["quantization"]["scales"] == "one per 128x64 block (checkpoint)"
 
 
+def test_explain_reads_a_checkpoints_fp8_blocks_from_its_config(no_cuda_calls):
+    """explain asks the model's config for its quantisation, not only the flag."""
+    hf = load_hf_config("random:qwen3-0.6b")
+    hf.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    out = explain(EngineConfig(model="random:qwen3-0.6b", device="cuda").for_model(hf), hf)
+    assert out["quantization"]["scales"] == "one per 128x128 block (checkpoint)"
+
+
+def test_explain_shows_each_stage_its_ranks_layers_and_ends(no_cuda_calls):
+    """Three stages of two tensor ranks over an uneven partition: each stage's ranks and
+    layers, the embedding on the first alone and the LM head and sampler on the last alone."""
+    out = _explain("random:qwen3-0.6b", pipeline_parallel_size=3, tensor_parallel_size=2,
+                   pp_layer_partition=[10, 12, 6])  # fmt: skip
+    assert out["stages"] == [
+        {"stage": 0, "ranks": [0, 1], "layers": [0, 10], "embedding": True,
+         "lm_head_and_sampler": False},
+        {"stage": 1, "ranks": [2, 3], "layers": [10, 22], "embedding": False,
+         "lm_head_and_sampler": False},
+        {"stage": 2, "ranks": [4, 5], "layers": [22, 28], "embedding": False,
+         "lm_head_and_sampler": True},
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tp, share",
+    [
+        # qwen3-0.6b: 16 attention heads, 8 KV heads, a vocabulary of 151,936
+        (1, {"attention_heads_per_rank": 16, "kv_heads_per_rank": 8, "ranks_per_kv_head": 1,
+             "vocab_rows_per_rank": 151936}),
+        (4, {"attention_heads_per_rank": 4, "kv_heads_per_rank": 2, "ranks_per_kv_head": 1,
+             "vocab_rows_per_rank": 37984}),
+        # more ranks than KV heads: each KV head on two ranks
+        (16, {"attention_heads_per_rank": 1, "kv_heads_per_rank": 1, "ranks_per_kv_head": 2,
+              "vocab_rows_per_rank": 9496}),
+    ],
+)  # fmt: skip
+def test_explain_shows_each_tensor_ranks_share(no_cuda_calls, tp, share):
+    out = _explain("random:qwen3-0.6b", tensor_parallel_size=tp)
+    assert out["tensor_parallel"] == {"size": tp, **share}
+    assert all(type(v) is int for v in out["tensor_parallel"].values())
+
+
 def test_a_tied_weight_counts_at_its_largest_share_in_either_module_order():
     head, embedding = LMHead(100, 8), VocabEmbedding(100, 8)
     embedding.weight = head.weight
