@@ -337,7 +337,8 @@ def _latency(
             drafts[key] += engine.stats()[key] - before[key]
     # each its own median: the run of the median TTFT may be the one whose decode a host
     # stall slowed (qwen3-0.6b batch 1 on the H200: 1.20 against 0.80 ms, s42)
-    ttft, tpot = (statistics.median(r[i] for r in runs) for i in (0, 1))
+    ttfts, tpots = zip(*runs, strict=True)
+    ttft, tpot = statistics.median(ttfts), statistics.median(tpots)
     result = {
         "mode": engine.graph_report()["cuda_graph_mode"],
         "requested_mode": config.cuda_graph_mode,
