@@ -375,6 +375,27 @@ def test_a_rank_that_stops_answering_mid_step_is_named_within_the_deadline():
             os.kill(worker_proc.pid, signal.SIGKILL)
 
 
+def test_settling_polls_the_workers_only_while_it_holds_the_reaping_lock():
+    """settle() asks whether workers live (a poll that reaps an exited one) only under
+    _reaping, as the watchdog's _describe joins: unlocked, it could collect a killed worker's
+    status first and leave the watchdog naming it "exited (exit status unknown)" instead of
+    "killed by SIGKILL" (seen once in a full CI run)."""
+    workers = launcher.Workers.__new__(launcher.Workers)
+    workers._reaping, workers.cause = threading.RLock(), None
+    owned = []
+
+    class Dying:  # a worker going down: never seen alive, its cause not yet named
+        def is_alive(self):
+            owned.append(workers._reaping._is_owned())
+            if len(owned) == 3:
+                workers.cause = "pipeline stage 1, tensor rank 0 (rank 1) was killed by SIGKILL"
+            return False
+
+    workers.procs = {1: Dying()}
+    assert workers.settle(patience=5.0) == workers.cause
+    assert owned == [True, True, True]
+
+
 def test_a_rank_killed_during_teardown_is_named_and_nothing_is_left():
     """The kill lands while shutdown waits for the workers to take their Shutdown message:
     the watchdog's abort and the driver's leave meet, once each; shutdown returns within

@@ -158,9 +158,9 @@ class Workers:
         process is reaped, so give a worker that is going down a few seconds to be seen."""
         deadline = time.monotonic() + patience
         while self.cause is None and time.monotonic() < deadline:
-            if all(p.is_alive() for p in self.procs.values()) and (
-                time.monotonic() > deadline - patience + 1.0
-            ):
+            with self._reaping:  # is_alive reaps: unlocked, it raced the watchdog's _describe
+                alive = all(p.is_alive() for p in self.procs.values())
+            if alive and time.monotonic() > deadline - patience + 1.0:
                 break  # nobody is dying: the failure was not a worker's
             time.sleep(0.01)
         return self.cause
