@@ -12,6 +12,7 @@ from helpers import make_hf_checkpoint
 from ostinato.attention.torch_backend import TorchAttentionBackend
 from ostinato.config import EngineConfig
 from ostinato.context import AttentionMetadata, ForwardContext, forward_context
+from ostinato.kernels.fp8 import SplitSum
 from ostinato.layers import linear as linear_module
 from ostinato.layers.norm import RMSNorm
 from ostinato.loader import load_hf_config, load_model
@@ -371,6 +372,41 @@ def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(mo
         if residual is not None:
             assert got_stream is residual_in  # added in place, as the norm kernel adds
     assert proj.plan(torch.randn(3, 256), RMSNorm(256, 1e-6), None) is None  # float32
+
+
+def test_fp8_splits_leave_their_sum_to_the_next_norm_bit_for_bit(tmp_path, monkeypatch):
+    """FP8 weights at the FP8 dot's rows: o and down, whose launches split K, hand their
+    partials on unsummed (Linear.unsummed's SplitSum); the next norm kernel sums them, and
+    the final norm and a pipeline stage's hand-off settle them first. The step's logits and
+    the stage's hand-off are every bit those of the summed path."""
+    path = make_hf_checkpoint("llama", tmp_path, head_dim=256, intermediate_size=1024)
+    config = EngineConfig(model=str(path), device="cpu", dtype="bfloat16", quantization="fp8")
+    hf_config = load_hf_config(str(path))
+    whole, first = load_model(config, hf_config), load_model(config, hf_config, (0, 1))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    input_ids = torch.tensor([5, 17, 200])
+    positions, meta = step_metadata([0, 0, 0], [1, 1, 1])
+
+    def step(model):
+        shape = (10, BLOCK, hf_config.num_key_value_heads, hf_config.head_dim)
+        kv = [(torch.zeros(shape).bfloat16(), torch.zeros(shape).bfloat16())] * 3
+        with torch.no_grad(), forward_context(ForwardContext(meta, kv, TorchAttentionBackend())):
+            out = model(input_ids, positions)
+            return out if first is model else model.compute_logits(out)
+
+    unsummed, made = linear_module.Linear.unsummed, []
+    monkeypatch.setattr(
+        linear_module.Linear, "unsummed", lambda *a: made.append(unsummed(*a)) or made[-1]
+    )
+    got, sent = step(whole), step(first)
+    splits = [type(y) for y in made]
+    assert splits.count(SplitSum) == 3 * hf_config.num_hidden_layers
+    monkeypatch.setattr(linear_module.Linear, "unsummed", lambda *a: None)
+    torch.testing.assert_close(got, step(whole), rtol=0, atol=0)
+    want = step(first)
+    assert isinstance(sent.hidden_states, torch.Tensor)
+    torch.testing.assert_close(sent.hidden_states, want.hidden_states, rtol=0, atol=0)
+    torch.testing.assert_close(sent.residual, want.residual, rtol=0, atol=0)
 
 
 def test_pipeline_stages_hand_on_the_fused_stream(tmp_path, monkeypatch):

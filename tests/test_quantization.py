@@ -10,7 +10,7 @@ from helpers import fence_intact, make_hf_checkpoint, nan_fenced
 from oracle import oracle_prompts, run_ostinato
 
 from ostinato import LLM
-from ostinato.kernels import fp8
+from ostinato.kernels import dispatch, fp8
 from ostinato.kernels.fp8 import GEMV_ROWS, GemvConfig, fp8_gemv, fp8_linear, quantize_rows
 from ostinato.kernels.norm import fused_add_rms_norm, rms_norm, rms_norm_to_fp8
 from ostinato.loader import load_hf_config
@@ -343,6 +343,72 @@ def test_fp8_dot_rows_take_x_quantised_before_them_as_they_quantise_it(
     weight_only = fp8.gemv_config(rows, n, k, block, 4)._replace(fp8_x=False)
     with pytest.raises(ValueError, match="FP8 x FP8 dot"):
         fp8_gemv(q, w, scale, block, weight_only, x_scales=s, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "rows, n, k, block, splits",
+    [
+        (3, 161, 2100, None, 4),  # a scale a row
+        (17, 130, 1100, (128, 128), 2),  # block-wise: the partials scaled already
+        (2, 161, 256, None, 1),  # no split: the output itself
+        (3, 500, 2100, None, 1),  # split, but fewer rows than tiles: summed in the kernel
+    ],
+)  # fmt: skip
+def test_an_unsummed_fp8_split_settles_and_normalises_to_the_kernels_bits(
+    monkeypatch, rows, n, k, block, splits
+):
+    """fp8_gemv(defer=True) where the launch splits K over at most as many tiles as rows: a
+    SplitSum, whose settle() gives every bit of the kernel's own output, and which the FP8
+    norm kernel takes with a residual as it takes that output (every FP8 byte and scale, the
+    stream added in place); without a residual it settles first and the stream is the
+    settled output. Unsplit, or over more tiles than rows: the output."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = (torch.randn(rows, k, generator=g) * 3).bfloat16()
+    w, scale, _ = random_fp8_weights(n, k, block, g)
+    want = fp8_gemv(x, w, scale, block)
+    assert fp8.gemv_config(rows, n, k, block, 4).split > 1 or k < 1024
+    split = fp8_gemv(x, w, scale, block, defer=True)
+    if splits == 1:
+        torch.testing.assert_close(split, want, rtol=0, atol=0)
+        return
+    assert isinstance(split, fp8.SplitSum) and len(split.parts) == splits
+    assert (split.scale is None) == (block is not None)
+    residual = torch.randn(rows, n, generator=g).bfloat16()
+    weight = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    stream, want_stream = residual.clone(), residual.clone()
+    q, s = rms_norm_to_fp8(split, stream, weight, 1e-6, 64)
+    want_q, want_s = rms_norm_to_fp8(want.clone(), want_stream, weight, 1e-6, 64)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    torch.testing.assert_close(stream, want_stream, rtol=0, atol=0)
+    q, s = rms_norm_to_fp8(split, None, weight, 1e-6, 64)
+    want_q, want_s = rms_norm_to_fp8(want, None, weight, 1e-6, 64)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    torch.testing.assert_close(split.out, want, rtol=0, atol=0)
+    split.out.zero_()
+    torch.testing.assert_close(split.settle(), want, rtol=0, atol=0)
+
+
+def test_deferred_partials_share_one_workspace_outside_the_graph_pools(monkeypatch):
+    """Deferred splits take their partials from the device's one buffer (dispatch.
+    deferred_parts), never a fresh tensor (under a graph, one from the pool that outlives the
+    launch): two of them share its start; a larger one grows it and keeps the old buffer
+    alive, and a smaller one after that reads the grown one's start."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dispatch, "_deferred_parts", {})
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 2100, generator=g) * 3).bfloat16()
+    sums = []
+    for n in (161, 161, 170, 161):
+        w, scale, _ = random_fp8_weights(n, 2100, None, g)
+        sums.append(fp8_gemv(x, w, scale, defer=True))
+        torch.testing.assert_close(sums[-1].settle(), fp8_gemv(x, w, scale), rtol=0, atol=0)
+    held = dispatch._deferred_parts[torch.device("cpu")]
+    assert [t.numel() for t in held] == [4 * 3 * 161, 4 * 3 * 170]
+    starts = [s.parts.data_ptr() for s in sums]
+    assert starts == [held[0].data_ptr()] * 2 + [held[1].data_ptr()] * 2
 
 
 def test_fp8_activations_round_to_nearest_even_as_torch_does(monkeypatch):

@@ -29,7 +29,8 @@ SDPA_MIN_TOKENS = 4096
 # (PDL), and a rotating attention launch waiting beside it cost qwen3-30b-a3b's batch 1 7-8%
 # and llama-3.1-8b's 1.4%, while qwen3-0.6b's gain was unstable (benchmarks/
 # h100-2026-11-27-s32.md and -s33.md: a later trigger moved the cost to qwen3-0.6b, a one-wave
-# QKV launch changed nothing).
+# QKV launch changed nothing). The H200 agrees: rotating at one request cost FP8 llama-3.1-8b
+# 1.9% and qwen3-30b-a3b 10%, and gained qwen3-0.6b 1.3% (h200-2026-11-28-s42.md, -s43.md).
 # From two requests the projection is cuBLAS and rotating takes 3-5% off qwen3-0.6b's batch 32
 # (-s31.md). An eager step of one request rotates too: it pays each launch in host time, not
 # in a graph's device time.

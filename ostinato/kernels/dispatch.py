@@ -73,6 +73,29 @@ def split_counts(device: torch.device, kernel: str, side: bool = False) -> torch
     return counts
 
 
+_deferred_parts: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def deferred_parts(device: torch.device, shape: tuple[int, ...], kernel: str) -> torch.Tensor:
+    """float32 `shape` on this device for the partials of a split-K launch whose reader sums
+    them (fp8.SplitSum: the next kernel, before any later launch defers). One buffer a
+    device, outside every graph's memory pool: partials kept from the pool until the next
+    norm moved every later-captured graph's tensors by 32 MiB, and the 8-row step, which
+    defers nothing, ran 2.3% slower (H200, FP8 llama-3.1-8b, benchmarks/h200-2026-11-28-s41.md
+    and -s42.md; 1.5% faster with this buffer, -s43.md). Grown only outside capture, as
+    split_counts are made; a grown buffer keeps the one before alive for the graphs that
+    captured it."""
+    held = _deferred_parts.setdefault(device, [])
+    numel = 1
+    for size in shape:
+        numel *= size
+    if not held or held[-1].numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise variants.ColdKernel(f"{kernel}: a deferred split must run once before capture")
+        held.append(torch.empty(numel, dtype=torch.float32, device=device))
+    return held[-1][:numel].view(shape)
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 

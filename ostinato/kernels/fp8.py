@@ -24,6 +24,7 @@ then the same matmul, so CI tests the math.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels.dispatch import (
+    deferred_parts,
     interpreting,
     jit,
     num_sms,
@@ -284,7 +286,7 @@ def _fp8_gemv_kernel(
     BLOCK_K: tl.constexpr, SPAN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SN: tl.constexpr,
     BLOCK_SK: tl.constexpr, BLOCKWISE: tl.constexpr, F32_DOT: tl.constexpr,
     BIT_MOVES: tl.constexpr, EVEN: tl.constexpr, FP8_X: tl.constexpr, X_FP8: tl.constexpr,
-    GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    GROUP: tl.constexpr, DEFER: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """y[:M] for BLOCK_N weight rows over SPAN columns of K (split program_id(1) of SPLIT).
 
@@ -310,7 +312,8 @@ def _fp8_gemv_kernel(
 
     SPLIT > 1: each program stores its fp32 partial in part_ptr [SPLIT, M, N] and counts
     itself in sem_ptr[tile]; the last of a tile's programs sums the partials and stores y
-    (kernels/small_batch.py)."""
+    (kernels/small_batch.py). DEFER: the partials are the output; no count, sum or y (the
+    sum is SplitSum's)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
@@ -399,18 +402,76 @@ def _fp8_gemv_kernel(
     if SPLIT > 1:
         parts = part_ptr + rows[:, None] * N + cols[None, :]
         tl.store(parts + tl.program_id(1) * M * N, acc, mask=ok)
-        sem = sem_ptr + tl.program_id(0)
-        last = arrive(sem, SPLIT)
-        ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
-        acc = gather(parts, M * N, ok, SPLIT)
-        tl.store(sem, 0, mask=last)
-    if not BLOCKWISE:
-        acc *= tl.load(s_cols, mask=col_ok, other=0.0)[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=ok)  # fmt: skip
+        if not DEFER:
+            sem = sem_ptr + tl.program_id(0)
+            last = arrive(sem, SPLIT)
+            ok = tl.where(last, ok, False)  # (the interpreter's ok & last would be integers)
+            acc = gather(parts, M * N, ok, SPLIT)
+            tl.store(sem, 0, mask=last)
+    if not DEFER:
+        if not BLOCKWISE:
+            acc *= tl.load(s_cols, mask=col_ok, other=0.0)[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=ok)  # fmt: skip
 
 
-_launches: dict[tuple, tuple[Launch, GemvConfig]] = {}  # per shape, as kernels/gemv.py keeps
+class SplitSum(NamedTuple):
+    """A projection's output before its K split is summed (fp8_gemv's defer): the fp32
+    partials [SPLIT, M, N] in split order; the weight's scale a row [N, 1] (None where the
+    partials are scaled already: block-wise weights); and out [M, N] in the model's dtype,
+    which settle() fills with what the kernel would have stored. The FP8 norm kernel after
+    o and down sums the partials itself (kernels/norm.py: rms_norm_to_fp8), which saves the
+    split's tail: a count, the last program's reads and its store, which the next kernel
+    waits for."""
+
+    parts: torch.Tensor
+    scale: torch.Tensor | None
+    out: torch.Tensor
+
+    def settle(self) -> torch.Tensor:
+        """out: the partials summed in split order, times the scale, in out's dtype."""
+        split, m, n = self.parts.shape
+        block = min(1024, triton.next_power_of_2(n))
+        scale = self.parts if self.scale is None else self.scale  # unused without
+        _settle_kernel[(m, triton.cdiv(n, block))](
+            self.parts, scale, self.out, m, n, SPLIT=split, SCALED=self.scale is not None,
+            BLOCK=block, **pdl_options(),
+        )  # fmt: skip
+        return self.out
+
+
+def settled(x: torch.Tensor | SplitSum) -> torch.Tensor:
+    """x, or a SplitSum's sum."""
+    return x.settle() if isinstance(x, SplitSum) else x
+
+
+@jit
+def _settle_kernel(
+    part_ptr, s_ptr, out_ptr, M, N, SPLIT: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    y = settled_row(part_ptr, s_ptr, row, cols, ok, M, N, SPLIT, SCALED)
+    tl.store(out_ptr + row * N + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def settled_row(part_ptr, s_ptr, row, cols, ok, M, N, SPLIT: tl.constexpr, SCALED: tl.constexpr):
+    """float32 columns cols of a SplitSum's row as _fp8_gemv_kernel finishes them: the
+    partials at part_ptr [SPLIT, M, N] summed in split order, times the scale a row at s_ptr
+    [N, 1] where SCALED."""
+    y = gather(part_ptr + row * N + cols, M * N, ok, SPLIT)
+    if SCALED:
+        y *= tl.load(s_ptr + cols, mask=ok, other=0.0)
+    return y
+
+
+_launches: dict[tuple, tuple[Launch, GemvConfig, bool]] = {}  # per shape, as kernels/gemv.py keeps
 
 
 def fp8_gemv(
@@ -421,11 +482,18 @@ def fp8_gemv(
     config: GemvConfig | None = None,
     x_scales: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    defer: bool = False,
+) -> torch.Tensor | SplitSum:
     """fp8_linear's small-batch kernel (Triton only), in gemv_config's launch configuration
     or the one given (benchmarks time others). With x_scales, x comes quantised as the FP8
     dot rows take it (FP8, and its scales [M, cdiv(K, x_group(block))]: the norm kernel's,
-    kernels/norm.py) and y is in dtype, which it then needs."""
+    kernels/norm.py) and y is in dtype, which it then needs. defer: where the launch splits
+    K and there are at least as many rows as output tiles, its SplitSum, the sum left to
+    whoever reads it, its partials in dispatch.deferred_parts. The norm kernel that sums it
+    reads a row's partials in one program, where the split kernel's last programs read a
+    tile's: with fewer rows than tiles that is more to read on fewer SMs (H200, FP8
+    llama-3.1-8b, whose o and down have 32 tiles: the step 3.1% faster at 32 rows, its
+    kernels 2.5%, benchmarks/h200-2026-11-28-s43.md)."""
     m, k = x.shape
     n = w.shape[0]
     quantized = x_scales is not None
@@ -437,23 +505,27 @@ def fp8_gemv(
         return y
     xs = x_scales if quantized else x  # unused without
     key = (x.device, dtype, m, n, k, x.stride(0), xs.stride(0), w.stride(0), scale.stride(0),
-           block, config, quantized, interpreting(), FP8_DOT_ROWS)  # fmt: skip
+           block, config, quantized, defer, interpreting(), FP8_DOT_ROWS)  # fmt: skip
     entry = _launches.get(key)
     if entry is None:
         config = config or gemv_config(m, n, k, block, num_sms(x.device, 4), dtype)
         if quantized and not config.fp8_x:
             raise ValueError(f"x quantised to FP8 needs the FP8 x FP8 dot: {config}")
-        entry = _launches[key] = (_launch(x, xs, w, scale, block, config, quantized), config)
-    launch, config = entry
+        defer = defer and config.split > 1 and m >= triton.cdiv(n, config.block_n)
+        launch = _launch(x, xs, w, scale, block, config, quantized, defer)
+        entry = _launches[key] = (launch, config, defer)
+    launch, config, defer = entry
     part = sem = x  # unused without a split
-    if config.split > 1:
+    if defer:
+        part = deferred_parts(x.device, (config.split, m, n), "fp8 GEMV")
+    elif config.split > 1:
         part = torch.empty(config.split, m, n, dtype=torch.float32, device=x.device)
         sem = split_counts(x.device, "fp8 GEMV")
     launch(x, xs, w, scale, y, part, sem)
-    return y
+    return SplitSum(part, None if block else scale, y) if defer else y
 
 
-def _launch(x, xs, w, scale, block, config: GemvConfig, quantized: bool) -> Launch:
+def _launch(x, xs, w, scale, block, config: GemvConfig, quantized: bool, defer: bool) -> Launch:
     m, k = x.shape
     n = w.shape[0]
     # no masks where every tile is whole: the loop stops at K, the unrolled span does not
@@ -482,6 +554,7 @@ def _launch(x, xs, w, scale, block, config: GemvConfig, quantized: bool) -> Laun
             FP8_X=config.fp8_x,
             X_FP8=quantized,
             GROUP=group,
+            DEFER=defer,
             EMULATE=interpreting(),
             PDL=pdl["PDL"],
         ),

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ostinato.kernels.dispatch import interpreting, jit, pdl_options, use_triton
-from ostinato.kernels.fp8 import FP8, activation_scale, quantize_fp8
+from ostinato.kernels.fp8 import FP8, SplitSum, activation_scale, quantize_fp8, settled_row
 from ostinato.kernels.launch import Launch
 
 
@@ -26,7 +26,7 @@ def fused_add_rms_norm(
 
 
 def rms_norm_to_fp8(
-    x: torch.Tensor,  # [M, n]
+    x: torch.Tensor | SplitSum,  # [M, n]
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
@@ -36,12 +36,17 @@ def rms_norm_to_fp8(
     to x's dtype as the norm kernel stores it, then quantised to FP8 per group of `group`
     columns as the FP8 dot rows quantise x (fp8.py: activation_scale, quantize_fp8) -> (FP8
     [M, n], float32 scales [M, cdiv(n, group)]),
-    in one kernel (Triton only): what fp8_gemv's FP8 dot rows take."""
+    in one kernel (Triton only): what fp8_gemv's FP8 dot rows take. x may be a SplitSum with
+    a residual: the kernel sums it as it would have been settled, and adds that."""
+    split = None
+    if isinstance(x, SplitSum):  # summed here with a residual; without one x is the stream
+        split, x = (x, x.out) if residual is not None else (None, x.settle())
     m, n = x.shape
     q = torch.empty(m, n, dtype=FP8, device=x.device)
     s = torch.empty(m, triton.cdiv(n, group), dtype=torch.float32, device=x.device)
     x3 = x.view(m, 1, n)
-    _launch(x3, None if residual is None else residual.view(-1, n), x3, weight, eps, (q, s, group))
+    _launch(x3, None if residual is None else residual.view(-1, n), x3, weight, eps, (q, s, group),
+            split)  # fmt: skip
     return q, s
 
 
@@ -58,17 +63,19 @@ def fused_add_rms_norm_torch(x, residual, weight, eps) -> None:
 
 @jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, out_ptr, weight_ptr, q_ptr, s_ptr, eps, n, inner,
+    x_ptr, residual_ptr, out_ptr, weight_ptr, q_ptr, s_ptr, ws_ptr, eps, n, inner,
     stride_x0, stride_x1, stride_r0, stride_o0, stride_o1,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr,
+    SCALED: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One row per program; a row is x[row // inner, row % inner, :] so that per-head norms
     work on strided views of a fused qkv projection. With ADD_RESIDUAL, residual += x first
     and the norm reads the sum as stored, so it sees exactly what the next layer adds to.
     GROUP (rows of [M, n], inner 1): the output as stored, quantised to FP8 per group of GROUP
     columns (fp8.py's activation_scale and quantize_fp8) into q_ptr [M, n] and its scales
-    into s_ptr [M, cdiv(n, GROUP)], instead of out_ptr."""
+    into s_ptr [M, cdiv(n, GROUP)], instead of out_ptr.
+    SPLIT (rows of [M, n], inner 1): x is a SplitSum's partials at x_ptr [SPLIT, M, n] (with
+    its scale a row at ws_ptr where SCALED), summed as settled and rounded to out's dtype."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -77,7 +84,11 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x_ptrs = x_ptr + outer * stride_x0 + head * stride_x1 + cols
-    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if SPLIT:
+        x = settled_row(x_ptr, ws_ptr, row, cols, mask, tl.num_programs(0), n, SPLIT, SCALED)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_r0 + cols
         r = (x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(r_ptrs.dtype.element_ty)
@@ -100,9 +111,9 @@ def _rms_norm_kernel(
 _launches: dict[tuple, Launch] = {}  # eager calls skip Triton's Python launch path
 
 
-def _launch(x3, residual, out3, weight, eps, fp8_out=None) -> None:
+def _launch(x3, residual, out3, weight, eps, fp8_out=None, split: SplitSum | None = None) -> None:
     """x3, out3: [outer, inner, n] with unit stride in n; residual: [outer * inner, n] or None;
-    fp8_out: (q, s, group) of rms_norm_to_fp8, or None."""
+    fp8_out: (q, s, group) of rms_norm_to_fp8, or None; split: the SplitSum x3 is the out of."""
     outer, inner, n = x3.shape
     rows = outer * inner
     if rows == 0:
@@ -110,20 +121,23 @@ def _launch(x3, residual, out3, weight, eps, fp8_out=None) -> None:
     assert x3.stride(2) == out3.stride(2) == 1
     res = x3 if residual is None else residual
     q, s, group = fp8_out or (x3, x3, 0)  # unused without
+    parts, scale = (x3, None) if split is None else (split.parts, split.scale)
     tail = (eps, n, inner, x3.stride(0), x3.stride(1), res.stride(0), out3.stride(0),
             out3.stride(1))  # fmt: skip
-    key = (tail, residual is not None, group, interpreting())
+    splits = 0 if split is None else len(parts)
+    key = (tail, residual is not None, group, splits, scale is not None, interpreting())
     launch = _launches.get(key)
     if launch is None:
         block = max(triton.next_power_of_2(n), group)
         pdl = pdl_options()
         launch = _launches[key] = Launch(
-            _rms_norm_kernel, (rows, 1, 1), num_head=6, tail=tail,
+            _rms_norm_kernel, (rows, 1, 1), num_head=7, tail=tail,
             constexprs=dict(ADD_RESIDUAL=residual is not None, BLOCK=block, GROUP=group,
-                            EMULATE=interpreting(), PDL=pdl["PDL"]),
+                            SPLIT=splits, SCALED=scale is not None, EMULATE=interpreting(),
+                            PDL=pdl["PDL"]),
             num_warps=min(16, max(1, block // 256)), launch_pdl=pdl["launch_pdl"],
         )  # fmt: skip
-    launch.run((rows, 1, 1), x3, res, out3, weight, q, s)
+    launch.run((rows, 1, 1), parts, res, out3, weight, q, s, x3 if scale is None else scale)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,15 @@ from torch import nn
 from ostinato.distributed.parallel import tp_group
 from ostinato.kernels import silu_and_mul
 from ostinato.kernels.dispatch import interpreting, use_triton
-from ostinato.kernels.fp8 import FP8, fp8_gemv, fp8_linear, fp8_x_pays, quantize_rows, x_group
+from ostinato.kernels.fp8 import (
+    FP8,
+    SplitSum,
+    fp8_gemv,
+    fp8_linear,
+    fp8_x_pays,
+    quantize_rows,
+    x_group,
+)
 from ostinato.kernels.gemv import gemv, gemv_pays, gemv_plan
 from ostinato.kernels.norm import rms_norm_to_fp8
 from ostinato.layers.norm import RMSNorm
@@ -56,7 +64,7 @@ def project(
 def normed_projection(
     proj: nn.Module,
     norm: RMSNorm,
-    x: torch.Tensor,
+    x: torch.Tensor | SplitSum,
     residual: torch.Tensor | None,
     silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +72,13 @@ def normed_projection(
     residual stream x + residual as one tensor (x itself without a residual). The small-batch
     kernel where it pays (proj.plan: a Linear's, the norm in its prologue or the norm kernel
     first; a LoRALinear's, the same in a step without adapters and, at one row, with its
-    adapter term added); else the norm (with the add, in place) and then proj."""
-    plan = proj.plan(x, norm, residual, silu)
+    adapter term added); else the norm (with the add, in place) and then proj. x may be
+    residual_projection's SplitSum: the FP8 plan's norm kernel sums it, any other way
+    settles it first."""
+    split = x if isinstance(x, SplitSum) else None
+    plan = proj.plan(x if split is None else split.out, norm, residual, silu)
+    if split is not None and not (isinstance(plan, partial) and plan.func is _fp8_norm_first):
+        x = split.settle()
     if plan is not None:
         return plan(x, proj.weight, proj.bias, residual, norm.weight, None)
     x, residual = norm.stream(x, residual)
@@ -75,14 +88,17 @@ def normed_projection(
 
 def residual_projection(
     proj: nn.Module, x: torch.Tensor, residual: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor | SplitSum, torch.Tensor | None]:
     """The residual stream once proj(x) is added to it, as (hidden, residual): hidden +
     residual, or hidden alone when residual is None. The small-batch kernel adds in its
-    epilogue, so the next norm reads one tensor; otherwise the add is left to that norm."""
+    epilogue, so the next norm reads one tensor; otherwise the add is left to that norm, and
+    where proj is FP8 at the FP8 dot's rows, the sum of its K split too (hidden a SplitSum:
+    Linear.unsummed)."""
     plan = proj.plan(x, add=residual)
     if plan is not None:
         return plan(x, proj.weight, proj.bias, None, None, residual)[0], None
-    return proj(x), residual
+    unsummed = proj.unsummed(x) if isinstance(proj, Linear) else None
+    return (proj(x) if unsummed is None else unsummed), residual
 
 
 class Linear(nn.Module):
@@ -134,6 +150,14 @@ class Linear(nn.Module):
         check. FP8 weights only with a scale a row (a block-wise checkpoint's take fp8.py's
         kernel)."""
         return self.block is None and gemv_pays(x, self.weight, normed)
+
+    def unsummed(self, x: torch.Tensor) -> torch.Tensor | SplitSum | None:
+        """This projection of x with the sum of its K split left to the reader (a SplitSum;
+        the output itself where the launch does not split), where fp8.py's kernel takes x
+        through the FP8 dot and no bias follows; else None."""
+        if not (FUSE and self.fp8 and self.bias is None and self._quantized_rows(x)):
+            return None
+        return fp8_gemv(x, self.weight, self.scale, self.block, defer=True)
 
     def _quantized_rows(self, x: torch.Tensor) -> bool:
         """Whether fp8.py's kernel takes these rows of x through its FP8 x FP8 dot, so a norm
@@ -194,10 +218,11 @@ def _fp8_norm_first(eps, group, scale, block, silu, x, weight, bias, residual, n
     (residual added first, in place) storing its output quantised per group, then fp8.py's
     kernel on that FP8 x (+ bias), then SiLU-and-mul where silu."""
     q, q_scales = rms_norm_to_fp8(x, residual, norm_weight, eps, group)
-    y = fp8_gemv(q, weight, scale, block, x_scales=q_scales, dtype=x.dtype)
+    stream = (x.out if isinstance(x, SplitSum) else x) if residual is None else residual
+    y = fp8_gemv(q, weight, scale, block, x_scales=q_scales, dtype=stream.dtype)
     if bias is not None:
         y.add_(bias)
-    return (silu_and_mul(y) if silu else y), (x if residual is None else residual)
+    return (silu_and_mul(y) if silu else y), stream
 
 
 def _norm_first(norm, plain, x, weight, bias, residual, norm_weight, add):
@@ -297,6 +322,10 @@ class RowParallelLinear(Linear):
     def fuses(self, x: torch.Tensor, normed: bool = False) -> bool:
         """Not over several ranks: the residual is added after the all-reduce."""
         return self.tp.size == 1 and super().fuses(x, normed)
+
+    def unsummed(self, x: torch.Tensor) -> torch.Tensor | SplitSum | None:
+        """Not over several ranks: the all-reduce sums the output."""
+        return super().unsummed(x) if self.tp.size == 1 else None
 
     def load(self, param: nn.Parameter, loaded: Loadable, shard: int | None = None) -> None:
         check_shape(loaded, param.full_shape)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ostinato.kernels.fp8 import settled
 from ostinato.layers.attention import Attention
 from ostinato.layers.embedding import LMHead, VocabEmbedding
 from ostinato.layers.linear import (
@@ -194,6 +195,7 @@ class LlamaModel(nn.Module):
             # a layer, ~10% of an eager decode step's host time); no module here has hooks
             hidden, residual = layer.forward(positions, hidden, residual)
         if self.norm is None:
+            hidden = settled(hidden)  # an FP8 down projection's SplitSum
             if residual is None:  # the next stage adds the two
                 residual = torch.zeros_like(hidden)
             return IntermediateTensors(hidden, residual)

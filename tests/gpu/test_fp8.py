@@ -158,6 +158,48 @@ def normed_fp8_projection(x, stream, norm_weight, q, scale, block):
     return fp8.fp8_gemv(xq, q, scale, block, x_scales=xs, dtype=x.dtype)
 
 
+@pytest.mark.parametrize("name", ["o", "down"])
+def test_an_unsummed_split_gives_the_next_norms_bits_at_llama_shapes_in_a_graph(name):
+    """llama-3.1-8b's o and down (the residual projections, whose K the FP8 dot splits) at 32
+    rows (at 8 and 16, fewer than their tiles, the kernel sums), per-row and block-wise
+    scales: the projection left unsummed and the next norm kernel summing it (Linear.unsummed,
+    then _fp8_norm_first's rms_norm_to_fp8), captured in a CUDA graph and replayed, give every
+    FP8 byte and scale and the residual stream of the summed projection followed by that
+    norm; and settle() gives the projection's own bits."""
+    n, k = LLAMA_8B[name]
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g) * 0.02
+    norm_weight = (torch.rand(n, generator=g) + 0.5).bfloat16().cuda()
+    for blockwise in (False, True):
+        q, scale = quantize_blocks(w) if blockwise else quantize_rows(w)
+        block = (128, 128) if blockwise else None
+        q, scale = q.cuda(), scale.cuda()
+        for rows in (8, 16, 32):
+            x = torch.randn(rows, k, generator=g).bfloat16().cuda()
+            residual = torch.randn(rows, n, generator=g).bfloat16().cuda()
+            summed = fp8_linear(x, q, scale, block=block)
+            want_stream = residual.clone()
+            want_q, want_s = rms_norm_to_fp8(summed, want_stream, norm_weight, 1e-5, 128)
+            split = fp8.fp8_gemv(x, q, scale, block, defer=True)  # compiles, outside
+            if rows < 32:  # fewer rows than o's and down's 32 tiles: summed in the kernel
+                torch.testing.assert_close(split, summed, rtol=0, atol=0)
+                continue
+            assert isinstance(split, fp8.SplitSum) and len(split.parts) > 1
+            stream = residual.clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                split = fp8.fp8_gemv(x, q, scale, block, defer=True)
+                got_q, got_s = rms_norm_to_fp8(split, stream, norm_weight, 1e-5, 128)
+            for _ in range(2):
+                stream.copy_(residual)
+                got_q.zero_()
+                graph.replay()
+                assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+                torch.testing.assert_close(got_s, want_s, rtol=0, atol=0)
+                torch.testing.assert_close(stream, want_stream, rtol=0, atol=0)
+            torch.testing.assert_close(split.settle(), summed, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_one_row_kernel_widens_every_value_exactly(dtype):
     """The fused one-row kernel on FP8 weights: weight row n holds every finite FP8 byte,
