@@ -80,6 +80,7 @@ METHODS: dict[str, list[str]] = {
         "_quantized_rows",
         "_fp8_norm_first",
         "_norm_first",
+        "unsummed",
     ],
 }
 
