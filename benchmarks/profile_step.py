@@ -346,10 +346,26 @@ def per_call_us(fn: Callable[[], object], calls: int = 200) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def host_us(fn: Callable[[], object], calls: int = 100) -> float:
+    """µs of host time a call of fn takes while the device is busy: the calls queue behind a
+    sleep kernel longer than they take, so none waits for the device (per_call_us gives the
+    larger of host and device time)."""
+    fn()
+    sync()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s at the H100's and H200's ~2 GHz
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    sync()
+    return elapsed / calls * 1e6
+
+
 def pieces(engine: LLMEngine, batch: int) -> dict:
     """In PIECEWISE mode: one eager attention call (a break of the captured graph, run with the
     live batch as a replay runs it) and one captured segment, each timed over back-to-back
-    calls (host and device overlap, as in a step), and the break's device time alone."""
+    calls (host and device overlap, as in a step) and for its host time alone, and the
+    break's device time alone."""
     step = one_decode_step(engine, batch)
     runner = engine.runner
     graph = runner.graphs.graphs[CudaGraphMode.PIECEWISE][step.desc]
@@ -359,6 +375,8 @@ def pieces(engine: LLMEngine, batch: int) -> dict:
         result = {
             "attention_call_us": per_call_us(brk),
             "segment_replay_us": per_call_us(segment),
+            "attention_host_us": host_us(brk),
+            "segment_host_us": host_us(segment),
             "breaks": graph.num_breaks,
         }
         latency = []

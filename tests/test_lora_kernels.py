@@ -317,7 +317,8 @@ def test_a_lora_residual_projection_without_adapters_is_its_base(dtype, monkeypa
     """residual_projection (o, down) through a LoRALinear over a plain Linear, where the
     small-batch kernel runs (forced on the CPU): the slots take the base's dtype (ranks int32,
     one shard), and a step without adapters takes the base's plan, the residual added in its
-    epilogue, bit for bit the base Linear's output."""
+    epilogue, bit for bit the base Linear's output; where the kernel does not pay, the
+    projection alone, the residual handed on."""
     monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: True)
     base = Linear(64, 40)
     base.weight.data = (torch.randn(40, 64) / 8).to(dtype)
@@ -333,3 +334,10 @@ def test_a_lora_residual_projection_without_adapters_is_its_base(dtype, monkeypa
         got = residual_projection(layer, x, residual)
         want = residual_projection(base, x, residual)
     assert got[1] is None and torch.equal(got[0], want[0])
+    monkeypatch.setattr(linear_module, "gemv_pays", lambda x, w, normed=False: False)
+    plain = Linear(64, 40)  # a new base: a Linear decides its plan once per input kind
+    plain.weight.data = base.weight.data
+    layer = LoRALinear(plain, num_slots=2, max_rank=8)  # no kernel: the add left to the norm
+    with torch.no_grad(), forward_context(ForwardContext(None, [], None, None)):
+        got = residual_projection(layer, x, residual)
+    assert got[1] is residual and torch.equal(got[0], plain(x))

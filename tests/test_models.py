@@ -3,6 +3,8 @@ varlen prefill through a hand-built paged KV cache, then a mixed step reusing th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -330,6 +332,34 @@ def test_an_fp8_projection_takes_the_fused_kernel_with_its_scale(monkeypatch):
     torch.testing.assert_close(act, want_act, atol=1e-5, rtol=1e-5)
 
 
+def fp8_projection(
+    in_features: int, out_features: int, block, g: torch.Generator, bias: bool = False,
+    kind: type[linear_module.Linear] = linear_module.Linear,
+) -> linear_module.Linear:  # fmt: skip
+    """A Linear (or kind) of random FP8 weights: block-wise with random scales where block is
+    given, else quantised at load (a scale a row); its bias in bfloat16."""
+    with building(QuantSpec("fp8", block) if block else None):
+        proj = kind(in_features, out_features, bias=bias)
+    if block:
+        w = torch.randn(out_features, in_features, generator=g).to(torch.float8_e4m3fn)
+        proj.weight.data.copy_(w)
+        scales = proj.weight_scale_inv.shape
+        proj.weight_scale_inv.data.copy_(torch.rand(scales, generator=g) + 0.5)
+    else:
+        proj.weight.data.copy_(torch.randn(out_features, in_features, generator=g))
+        proj.quantize_at_load = True
+        proj.finish_loading()
+    if bias:
+        proj.bias.data = torch.randn(out_features, generator=g).bfloat16()
+    return proj
+
+
+def bf16_norm(n: int, g: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(n, 1e-6)
+    norm.weight.data.copy_(torch.rand(n, generator=g) + 0.5)
+    return norm.bfloat16()
+
+
 @pytest.mark.parametrize("block", [None, (64, 64), (16, 16)])
 def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(monkeypatch, block):
     """FP8 weights (a scale a row; block-wise, whose groups are 64 wide) at 2-32 rows: a
@@ -339,20 +369,8 @@ def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(mo
     added in place) and without one (the stream is x). Blocks 16 wide (groups narrower than
     the FP8 MMA's K) and float32 x keep the unfused path."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with building(QuantSpec("fp8", block) if block else None):
-        proj, norm = linear_module.Linear(256, 192, bias=True), RMSNorm(256, 1e-6)
     g = torch.Generator().manual_seed(3)
-    norm.weight.data.copy_(torch.rand(256, generator=g) + 0.5)
-    proj.bias.data.copy_(torch.randn(192, generator=g))
-    if block:
-        proj.weight.data.copy_(torch.randn(192, 256, generator=g).to(torch.float8_e4m3fn))
-        scales = proj.weight_scale_inv.shape
-        proj.weight_scale_inv.data.copy_(torch.rand(scales, generator=g) + 0.5)
-    else:
-        proj.weight.data.copy_(torch.randn(192, 256, generator=g))
-        proj.quantize_at_load = True
-        proj.finish_loading()
-    norm, proj.bias.data = norm.bfloat16(), proj.bias.data.bfloat16()  # the FP8 weight stays
+    proj, norm = fp8_projection(256, 192, block, g, bias=True), bf16_norm(256, g)
     for rows, silu, with_residual in ((3, True, True), (17, False, False), (2, False, True)):
         x = torch.randn(rows, 256, generator=g).bfloat16()
         residual = torch.randn(rows, 256, generator=g).bfloat16() if with_residual else None
@@ -374,10 +392,57 @@ def test_an_fp8_normed_projection_of_a_few_rows_takes_x_quantised_by_its_norm(mo
     assert proj.plan(torch.randn(3, 256), RMSNorm(256, 1e-6), None) is None  # float32
 
 
+@pytest.mark.parametrize("block, rows", [(None, 3), ((128, 128), 17)])
+def test_an_fp8_split_is_left_unsummed_only_where_the_next_norm_kernel_sums_it(
+    monkeypatch, block, rows
+):
+    """An FP8 residual projection whose launch splits K over no more tiles than rows hands on
+    its SplitSum (the scale a row, or block-wise scales, applied when it settles): an FP8
+    normed projection after it sums it in its norm kernel, settling nothing, with a residual
+    or without one (the stream is then the settled output); any other plan settles it first.
+    Each gives every bit of the summed path. No SplitSum from a bfloat16 weight, a bias,
+    float32 x, more rows than the FP8 dot takes, or a projection split over tensor ranks."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(rows)
+    k, n = (2100, 161) if block is None else (1152, 130)
+    proj, norm = fp8_projection(k, n, block, g), bf16_norm(n, g)
+    after = {"fp8": fp8_projection(n, 64, None, g), "bf16": linear_module.Linear(n, 64)}
+    after["bf16"].weight.data = torch.randn(64, n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    residual = torch.randn(rows, n, generator=g).bfloat16()
+    summed = proj(x)
+    settle, settled = SplitSum.settle, []
+    monkeypatch.setattr(SplitSum, "settle", lambda self: settled.append(1) or settle(self))
+    for name, nxt in after.items():
+        for stream_in in (residual, None):
+            want = linear_module.normed_projection(
+                nxt, norm, summed.clone(), None if stream_in is None else stream_in.clone()
+            )
+            split, stream = linear_module.residual_projection(proj, x, stream_in)
+            assert isinstance(split, SplitSum) and stream is stream_in
+            settled.clear()
+            stream = None if stream is None else stream.clone()
+            got = linear_module.normed_projection(nxt, norm, split, stream)
+            assert len(settled) == (name == "bf16" or stream_in is None)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert isinstance(split, SplitSum)
+    torch.testing.assert_close(split.settle(), summed, rtol=0, atol=0)
+
+    assert after["bf16"].unsummed(torch.randn(rows, n, generator=g).bfloat16()) is None
+    assert fp8_projection(k, n, block, g, bias=True).unsummed(x) is None
+    assert proj.unsummed(x.float()) is None
+    assert proj.unsummed(torch.randn(33, k, generator=g).bfloat16()) is None
+    row_parallel = fp8_projection(k, n, block, g, kind=linear_module.RowParallelLinear)
+    assert isinstance(row_parallel.unsummed(x), SplitSum)
+    row_parallel.tp = SimpleNamespace(size=2)
+    assert row_parallel.unsummed(x) is None
+
+
 def test_fp8_splits_leave_their_sum_to_the_next_norm_bit_for_bit(tmp_path, monkeypatch):
     """FP8 weights at the FP8 dot's rows: o and down, whose launches split K, hand their
     partials on unsummed (Linear.unsummed's SplitSum); the next norm kernel sums them, and
-    the final norm and a pipeline stage's hand-off settle them first. The step's logits and
+    only the final norm and a pipeline stage's hand-off settle them first. The step's logits and
     the stage's hand-off are every bit those of the summed path."""
     path = make_hf_checkpoint("llama", tmp_path, head_dim=256, intermediate_size=1024)
     config = EngineConfig(model=str(path), device="cpu", dtype="bfloat16", quantization="fp8")
@@ -398,9 +463,12 @@ def test_fp8_splits_leave_their_sum_to_the_next_norm_bit_for_bit(tmp_path, monke
     monkeypatch.setattr(
         linear_module.Linear, "unsummed", lambda *a: made.append(unsummed(*a)) or made[-1]
     )
+    settle, settled = SplitSum.settle, []
+    monkeypatch.setattr(SplitSum, "settle", lambda self: settled.append(1) or settle(self))
     got, sent = step(whole), step(first)
     splits = [type(y) for y in made]
     assert splits.count(SplitSum) == 3 * hf_config.num_hidden_layers
+    assert len(settled) == 2  # the final norm's, the stage's hand-off's: the norms sum the rest
     monkeypatch.setattr(linear_module.Linear, "unsummed", lambda *a: None)
     torch.testing.assert_close(got, step(whole), rtol=0, atol=0)
     want = step(first)

@@ -3,7 +3,7 @@
 # m = main 62e3a2d; w = m + s42's split-sum-workspace.diff (split FP8 launches with as many rows
 # as output tiles leave their K split's sum to the next norm, partials in one per-device buffer
 # outside the graph pools); r = m with ROTATE_MIN_REQS = 1 (a graphed one-request decode rotates
-# q/k and stores KV in the attention launch: no RoPE + store kernel)
+# q/k and stores KV in the attention launch: no RoPE + store kernel); f (call 6) = main a839f48 + README
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
@@ -44,6 +44,11 @@ e)  # where a PIECEWISE decode step of qwen3-0.6b at batch 1 goes (m, pinned as 
     (cd .gpu/$tree && timeout 150 python3 ../m/benchmarks/profile_step.py --modes full_and_piecewise --batch-sizes 32 --sections step-kernels \
       --steps 8 --no-pdl --label fp8-$tree --model random:llama-3.1-8b --quantization fp8 2>>$OUT/err.txt | grep -v "^{" | tee $OUT/prof-$tree.txt)
   done
+  ;;
+f)  # f = main with w landed (a839f48 + README): the norm kernel every model runs took new parameters; the kernels' tests,
+    # the engine's graphs against eager and the HF oracle, FP8 engines in every mode
+  tests f 380 tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py
+  tests f 170 tests/gpu/test_fp8.py -k "every_mode or unsummed"
   ;;
 esac
 stamp done
