@@ -63,6 +63,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "grammar": ("ostinato/structured/grammar.py", ["tests/test_structured_outputs.py"]),
     "explain": ("ostinato/graphs/explain.py", ["tests/test_explain.py"]),
     "modes": ("ostinato/graphs/modes.py", ["tests/test_compat.py", "tests/test_dispatcher.py"]),
+    "bench": ("ostinato/bench.py", ["tests/test_bench.py", "tests/test_chain_floor.py"]),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part
@@ -82,6 +83,20 @@ METHODS: dict[str, list[str]] = {
         "_norm_first",
         "unsummed",
     ],
+    "bench": [  # what the numbers come from; not the argument parser or the output
+        "_timed_run",
+        "_latency",
+        "decode_floor_bytes",
+        "num_parameters",
+        "bench_startup",
+        "_num_graphs",
+        "_first_request",
+        "bench_prefill",
+        "_prefill_model_len",
+        "_first_token_s",
+        "copy_workload",
+        "norepeat_workload",
+    ],
 }
 
 
@@ -99,10 +114,17 @@ def main() -> None:
     from mutmut import configuration
     from mutmut.__main__ import cli
 
+    config = configuration.config()
+    # the scripts some tests import (tests/test_chain_floor.py: benchmarks/chain_floor.py)
+    scripts = sorted(Path("benchmarks").glob("*.py"))
     configuration._config = dataclasses.replace(
-        configuration.config(), only_mutate=[path], pytest_add_cli_args_test_selection=tests
+        config,
+        only_mutate=[path],
+        pytest_add_cli_args_test_selection=tests,
+        also_copy=[*config.also_copy, *scripts],
     )
     shutil.rmtree("mutants", ignore_errors=True)
+    Path("mutants/benchmarks").mkdir(parents=True)  # mutmut copies files, not their folders
     cli(["run", *names], standalone_mode=False)
     report(path, names)
 

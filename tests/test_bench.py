@@ -2,12 +2,16 @@
 
 import argparse
 import json
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 
 import ostinato.bench as bench
 from ostinato.cli import main
 from ostinato.config import EngineConfig
+from ostinato.loader import load_hf_config
+from ostinato.models.llama import head_dim
 
 
 def test_latency_runs_never_hit_the_prefix_cache():
@@ -158,3 +162,182 @@ def test_latency_reports_the_median_of_each_number(monkeypatch):
     (result,) = bench.bench_latency(engine, seconds, args, None)
     assert result["ttft_ms"] == pytest.approx(20.0)
     assert result["tpot_ms"] == pytest.approx(11.0)
+
+
+def fake_runs(monkeypatch, engine, runs, per_run):
+    """bench._timed_run gives `runs` in turn (the warm-up first), and each run adds per_run to
+    the engine's counters (engine.stats), as drafts and grammar masks would."""
+    runs, done = iter(runs), [0]
+
+    def timed_run(*args):
+        done[0] += 1
+        return next(runs)
+
+    stats = engine.stats
+    monkeypatch.setattr(bench, "_timed_run", timed_run)
+    monkeypatch.setattr(
+        engine, "stats", lambda: stats() | {k: v * done[0] for k, v in per_run.items()}
+    )
+
+
+def test_latency_reports_its_floor_and_counters_from_the_timed_runs_only(monkeypatch):
+    """With a copy bandwidth, the floor is the bytes of a decode step at the runs' mean
+    context (prompt + half the output) over that bandwidth, and the ratio is TPOT over it.
+    Drafts and grammar masks count the timed runs, not the warm-up: the acceptance rate is
+    accepted over drafted, the mask's time a step their seconds over their steps."""
+    engine, seconds = bench._build(
+        EngineConfig(device="cpu", speculative_method="ngram", num_speculative_tokens=2)
+    )
+    per_run = dict(spec_draft_tokens=8, spec_accepted_tokens=6, structured_mask_steps=4,
+                   structured_mask_seconds=0.002)  # fmt: skip
+    runs = [(1.0, 1.0), (0.010, 0.004), (0.020, 0.006), (0.030, 0.005)]
+    fake_runs(monkeypatch, engine, runs, per_run)
+    args = argparse.Namespace(input_len=8, output_len=5, iters=3, lora_rank=16)
+    bandwidth = 2e9
+    result = bench._latency(engine, args, bandwidth, 1, [], "json")
+    floor_s = bench.decode_floor_bytes(engine, 1, 8 + 2) / bandwidth
+    assert bench.decode_floor_bytes(engine, 1, 10) > bench.decode_floor_bytes(engine, 1, 9)
+    assert result["copy_bandwidth_gbs"] == pytest.approx(2.0)
+    assert result["floor_ms"] == pytest.approx(floor_s * 1e3)
+    assert result["ratio_to_floor"] == pytest.approx(0.005 / floor_s)
+    assert result["spec_draft_tokens"] == 24 and result["spec_accepted_tokens"] == 18
+    assert result["spec_acceptance_rate"] == pytest.approx(0.75)
+    assert result["mask_ms_per_step"] == pytest.approx(0.5)
+    assert result["structured_output"] == "json"
+    assert (result["workload"], result["speculative_method"]) == ("random", "ngram")
+    assert (result["input_len"], result["output_len"], result["quantization"]) == (8, 5, None)
+
+
+def test_startup_splits_its_seconds_and_reports_the_graphs_before_and_after(monkeypatch):
+    """bench startup's fields from the engine's graph report (faked) and the first request:
+    load is start-up less capture and eager warm-up; the first token after load adds the
+    capture; graph memory in GiB (a budget of 0 where the report has none); the graphs and
+    capture seconds after the first request from the report then."""
+    engine, _ = bench._build(EngineConfig(device="cpu"))
+    before = dict(cuda_graph_mode="full_and_piecewise", capture_seconds=2.0,
+                  eager_warm_up_seconds=0.5, start_up_seconds={"weights": 1.0},
+                  graph_memory_bytes=3 * 2**30, graph_memory_budget_bytes=2**31, warmups=4,
+                  captured={"full": [1, 2], "piecewise": [1]})  # fmt: skip
+    after = before | dict(capture_seconds=3.5, captured={"full": [1, 2, 4], "piecewise": [1]})
+    for budget in (True, False):
+        reports = iter([before, after] if budget else
+                       [{k: v for k, v in r.items() if k != "graph_memory_budget_bytes"}
+                        for r in (before, after)])  # fmt: skip
+        monkeypatch.setattr(engine, "graph_report", lambda reports=reports: next(reports))
+        monkeypatch.setattr(bench, "_first_request", lambda *a: (0.25, 1.5))
+        (r,) = bench.bench_startup(engine, 10.0, argparse.Namespace(input_len=8), None)
+        assert r == dict(
+            mode="full_and_piecewise", capture=engine.config.cuda_graph_capture, startup_s=10.0,
+            load_s=7.5, weights_s=1.0, capture_s=2.0, warm_up_s=0.5, num_graphs=3,
+            graph_memory_gib=3.0, graph_memory_budget_gib=2.0 if budget else 0.0, warmups=4,
+            kv_blocks=engine.runner.num_blocks, ttft_after_start_s=0.25,
+            first_token_after_load_s=2.25, first_request_s=1.5, graphs_after_first_request=4,
+            capture_s_after_first_request=3.5,
+        )  # fmt: skip
+
+
+def test_first_token_and_request_times_follow_a_fake_clock(monkeypatch):
+    """Each engine step takes 10 ms on a clock that does not start at 0: one request's first
+    token comes after its first step, its last after its last (3 tokens, 3 steps); a fresh
+    prompt's first token alone takes one step."""
+    clock = [5.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    engine, _ = bench._build(EngineConfig(device="cpu"))
+    step = engine.step
+
+    def timed_step():
+        clock[0] += 0.010
+        return step()
+
+    monkeypatch.setattr(engine, "step", timed_step)
+    prompt = bench._prompts(engine, 1, 8)[0]
+    first, total = bench._first_request(engine, prompt, argparse.Namespace(output_len=3))
+    assert (first, total) == (pytest.approx(0.010), pytest.approx(0.030))
+    assert bench._first_token_s(engine, bench._prompts(engine, 1, 8, seed=1)[0]) == (
+        pytest.approx(0.010)
+    )
+
+
+def test_prefill_reports_the_median_after_the_warm_up_and_its_compute_floor(monkeypatch):
+    """With a matmul rate (CUDA only; faked here), a prompt length's floor is 2 x parameters
+    x tokens over that rate; TTFT is the median of the timed runs, the untimed first excluded,
+    and the prefill rate is tokens over it."""
+    monkeypatch.setattr(bench, "matmul_rate", lambda dtype: 4e12)
+    times = iter([9.0, 0.010, 0.030, 0.020])
+    monkeypatch.setattr(bench, "_first_token_s", lambda *a: next(times))
+    engine, _ = bench._build(EngineConfig(device="cpu"))
+    monkeypatch.setattr(EngineConfig, "is_cuda", property(lambda self: True))
+    args = argparse.Namespace(input_len=[16], iters=3)
+    (r,) = bench.bench_prefill(engine, 0.0, args, None)
+    floor_s = 2 * bench.num_parameters(engine) * 16 / 4e12
+    assert r["ttft_ms"] == pytest.approx(20.0) and r["prefill_tokens_per_s"] == pytest.approx(800)
+    assert r["matmul_tflops"] == pytest.approx(4.0) and r["mode"] == "none"
+    assert r["floor_ms"] == pytest.approx(floor_s * 1e3)
+    assert r["ratio_to_floor"] == pytest.approx(0.020 / floor_s)
+
+
+@pytest.mark.parametrize(
+    "lengths, max_model_len, want",
+    [
+        ([63], 64, 64),
+        ([64], 64, "--input-len 64 does not fit --max-model-len 64: raise --max-model-len or "
+                    "give shorter prompt lengths"),
+        ([8, 4095], None, 4096),
+        ([4096, 8], None, "--input-len 4096 does not fit random:tiny's context of 4096 tokens: "
+                          "give shorter prompt lengths (e.g. --input-len 512,2048)"),
+    ],
+)  # fmt: skip
+def test_prefill_sizes_the_context_to_its_longest_prompt_and_its_token(lengths, max_model_len,
+                                                                        want):  # fmt: skip
+    """bench prefill's max_model_len: the longest prompt and the one token it samples, within
+    --max-model-len where given, else within the model's positions (tiny's 4,096)."""
+    args = argparse.Namespace(input_len=lengths, max_model_len=max_model_len, model="random:tiny")
+    if isinstance(want, int):
+        assert bench._prefill_model_len(args) == want
+        return
+    with pytest.raises(ValueError) as error:
+        bench._prefill_model_len(args)
+    assert str(error.value) == want
+
+
+@pytest.mark.parametrize("model", ["tiny", "random:tiny-moe"])
+def test_the_decode_floor_counts_every_requests_kv_and_the_weights_as_stored(model):
+    """A decode step's floor: the KV of every request's context (2 x layers x KV heads x
+    head_dim x the dtype's bytes a token), plus the weights at their stored width (FP8 at load
+    reads fewer bytes) of which a mixture of experts reads more as the batch chooses more
+    experts; a dense model reads every weight at any batch."""
+    hf = load_hf_config(model)
+    engines = {
+        q: SimpleNamespace(
+            hf_config=hf,
+            config=EngineConfig(model=model, device="cpu", dtype="bfloat16", quantization=q),
+        )
+        for q in (None, "fp8")
+    }
+    floor = partial(bench.decode_floor_bytes, engines[None])
+    kv = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim(hf) * 2
+    assert floor(3, 11) - floor(3, 10) == 3 * kv and floor(3, 10) - floor(3, 0) == 30 * kv
+    if model == "tiny":
+        assert floor(32, 0) == floor(1, 0)
+        assert 0 < bench.decode_floor_bytes(engines["fp8"], 1, 0) < floor(1, 0)
+    else:
+        assert floor(32, 0) > floor(1, 0)
+
+
+def test_requests_take_the_adapters_in_turn_in_every_run(monkeypatch):
+    """_timed_run gives request i adapter i mod the count (none without adapters), and
+    _latency hands its adapters to the warm-up and to every timed run."""
+    engine, _ = bench._build(EngineConfig(device="cpu"))
+    taken, add = [], engine.add_request
+    monkeypatch.setattr(  # the adapter noted, the request run without it (no LoRA here)
+        engine,
+        "add_request",
+        lambda p, params, lora_request: taken.append(lora_request) or add(p, params),
+    )
+    bench._timed_run(engine, bench._prompts(engine, 3, 8), bench._greedy(2), ["a", "b"])
+    assert taken == ["a", "b", "a"]
+    given = []
+    monkeypatch.setattr(bench, "_timed_run", lambda *a: given.append(a[3]) or (0.01, 0.01))
+    args = argparse.Namespace(input_len=8, output_len=4, iters=2, lora_rank=16)
+    bench._latency(engine, args, None, 1, ["a", "b"])
+    assert given == [["a", "b"]] * 3
