@@ -64,6 +64,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "explain": ("ostinato/graphs/explain.py", ["tests/test_explain.py"]),
     "modes": ("ostinato/graphs/modes.py", ["tests/test_compat.py", "tests/test_dispatcher.py"]),
     "bench": ("ostinato/bench.py", ["tests/test_bench.py", "tests/test_chain_floor.py"]),
+    "tools": (
+        "ostinato/server/tools.py",
+        ["tests/test_tool_parsers.py", "tests/test_app_routes.py"],
+    ),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part

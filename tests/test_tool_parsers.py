@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
+import pytest
 from helpers import make_tokenizer
 
-from ostinato.server.tools import HermesParser, Llama3JsonParser
+from ostinato.server.tools import HermesParser, Llama3JsonParser, ToolCall
+from ostinato.structured.grammar import JSON_OPTIONS
 from ostinato.tokenizer import HFTokenizer
 
 TOOLS_TEMPLATE = (
@@ -52,3 +55,75 @@ def test_the_template_renders_the_tools(tmp_path):
     with_tools = tok.tokenizer.decode(tok.apply_chat_template(messages, tools=tools))
     assert "<|tools|>" in with_tools and "get_time" in with_tools
     assert "get_time" not in tok.tokenizer.decode(tok.apply_chat_template(messages))
+
+
+def test_parsers_take_either_arguments_key_and_hand_string_arguments_on_as_they_are():
+    """A call's arguments under the parser's other key are its arguments too, a call without
+    any is a call without arguments; held text starts at the first call; a llama3_json
+    separator may have spaces before it; string arguments reach the client unencoded."""
+    hermes, llama = HermesParser(), Llama3JsonParser()
+    _, calls = hermes.parse('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>')
+    assert [(c.name, c.arguments) for c in calls] == [("f", {"x": 1})]
+    _, calls = hermes.parse('<tool_call>{"name": "f"}</tool_call>')
+    assert [(c.name, c.arguments) for c in calls] == [("f", {})]
+    assert hermes.held_from("a <tool_call>{}</tool_call> b <tool_call>") == 2
+    _, calls = llama.parse('{"name": "f", "arguments": {"y": 2}} ; {"name": "g"}')
+    assert [(c.name, c.arguments) for c in calls] == [("f", {"y": 2}), ("g", {})]
+    assert ToolCall("f", '{"x": 1}').openai()["function"]["arguments"] == '{"x": 1}'
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },  # fmt: skip
+    {"type": "function", "function": {"name": "get_time"}},
+]
+
+
+def forced_schema(params, key: str) -> dict:
+    """The JSON schema inside a forcing constraint: a Lark grammar's %json rule (whose
+    llguidance options must be ours) or the constraint's own schema."""
+    if params.json is not None:
+        return params.json
+    rule = params.grammar.split(f"{key}: %json ", 1)[1].split("\n", 1)[0]
+    schema = json.loads(rule)
+    assert schema.pop("x-guidance") == JSON_OPTIONS
+    return schema
+
+
+@pytest.mark.parametrize("parser, key", [(HermesParser(), "arguments"),
+                                         (Llama3JsonParser(), "parameters")])  # fmt: skip
+def test_a_forced_call_names_one_of_the_tools_with_arguments_matching_its_schema(parser, key):
+    """tool_choice required or named: the constraint's schema accepts a call of any given tool
+    whose arguments match that tool's parameters (any object for a tool without them), and
+    refuses another name, missing arguments, arguments off their schema or not an object,
+    extra keys and a call that is not an object; with one tool, its schema alone. Several
+    calls: hermes repeats its call rule, llama3_json joins calls with '; '."""
+    for many in (False, True):
+        params = parser.constraint(TOOLS, many)
+        schema = forced_schema(params, "body" if parser.name == "hermes" else "call")
+        good = [{"name": "get_weather", key: {"city": "Oslo"}}, {"name": "get_time", key: {}}]
+        bad = [{"name": "get_date", key: {}}, {"name": "get_weather"},
+               {"name": "get_weather", key: {"city": 3}},
+               {"name": "get_time", key: {}, "extra": 1}, {"name": "get_time", key: 3},
+               "get_time"]  # fmt: skip
+        for call in good:
+            jsonschema.validate(call, schema)
+        for call in bad:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(call, schema)
+    if parser.name == "hermes":
+        assert params.grammar.startswith('start: call+\ncall: "<tool_call>\\n" body')
+        assert parser.constraint(TOOLS, False).grammar.startswith("start: call\n")
+    else:
+        assert params.grammar.startswith('start: call ("; " call)*\ncall: %json ')
+    one = forced_schema(parser.constraint(TOOLS[:1], False), "body")
+    assert "anyOf" not in one and one["properties"]["name"] == {"const": "get_weather"}
