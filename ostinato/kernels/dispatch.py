@@ -7,6 +7,7 @@ choice is made at each launch.
 """
 
 import functools
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -86,9 +87,7 @@ def deferred_parts(device: torch.device, shape: tuple[int, ...], kernel: str) ->
     split_counts are made; a grown buffer keeps the one before alive for the graphs that
     captured it."""
     held = _deferred_parts.setdefault(device, [])
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if not held or held[-1].numel() < numel:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise variants.ColdKernel(f"{kernel}: a deferred split must run once before capture")
