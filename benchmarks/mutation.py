@@ -68,6 +68,10 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "ostinato/server/tools.py",
         ["tests/test_tool_parsers.py", "tests/test_app_routes.py"],
     ),
+    "metrics": (
+        "ostinato/server/metrics.py",
+        ["tests/test_metrics.py", "tests/test_app_routes.py"],
+    ),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part
