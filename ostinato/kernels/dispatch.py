@@ -67,8 +67,7 @@ def split_counts(device: torch.device, kernel: str, side: bool = False) -> torch
     capture: a capture would record the zeroing, not run it."""
     counts = _split_counts.get((device, side))
     if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise variants.ColdKernel(f"{kernel}: a split launch must run once before capture")
+        _outside_capture(device, f"{kernel}: a split launch must run once before capture")
         counts = torch.zeros(SPLIT_COUNTS, dtype=torch.int32, device=device)
         _split_counts[(device, side)] = counts
     return counts
@@ -89,10 +88,16 @@ def deferred_parts(device: torch.device, shape: tuple[int, ...], kernel: str) ->
     held = _deferred_parts.setdefault(device, [])
     numel = math.prod(shape)
     if not held or held[-1].numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise variants.ColdKernel(f"{kernel}: a deferred split must run once before capture")
+        _outside_capture(device, f"{kernel}: a deferred split must run once before capture")
         held.append(torch.empty(numel, dtype=torch.float32, device=device))
     return held[-1][:numel].view(shape)
+
+
+def _outside_capture(device: torch.device, cold: str) -> None:
+    """Raise variants.ColdKernel(cold) under a CUDA graph capture on device: what is about to
+    be allocated must be made at a warm-up, which runs before its capture."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise variants.ColdKernel(cold)
 
 
 def use_triton(t: torch.Tensor) -> bool:
