@@ -205,6 +205,47 @@ def kernels(engine: LLMEngine, batch: int) -> dict:
     }
 
 
+def forward_timeline(engine: LLMEngine, batch: int) -> dict:
+    """One decode forward profiled on host and device: step_timeline's split of its wall time,
+    and the device's idle gaps summed by the activity that ends each (whether the device
+    waits on the host, and where: after a graph segment, before an eager launch)."""
+    step = one_decode_step(engine, batch)
+    forward(engine.runner, step)
+    sync()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        torch.ones(1, device=engine.config.device).add_(1)  # CUPTI's first stall, outside
+        sync()
+        with record_function(STEP):
+            forward(engine.runner, step)
+            sync()
+    events = intervals(prof)
+    timeline = step_timeline(events)
+    (start, end) = [(a, b) for kind, name, a, b in events if kind == "host" and name == STEP][0]
+    device = sorted((a, b, name) for kind, name, a, b in events
+                    if kind == "device" and start <= a <= end and name != STEP)  # fmt: skip
+    finish(engine)
+    gaps = idle_by_gap(device)
+    return timeline | {
+        "activities": len(device),
+        "idle_by_gap_us": {k: round(v, 1) for k, v in gaps.most_common(6)},
+    }
+
+
+def idle_by_gap(device: list[tuple[float, float, str]]) -> Counter[str]:
+    """The device's idle µs between activities (start, end, name; sorted by start), summed by
+    "the activity that ended last -> the one that starts": activities overlap under PDL, so a
+    gap opens only past the latest end so far."""
+    gaps: Counter[str] = Counter()
+    reach, last = None, ""
+    for a, b, name in device:
+        if reach is not None and a > reach:
+            gaps[f"{last[:30]} -> {name[:30]}"] += a - reach
+        if reach is None or b > reach:
+            reach, last = b, name
+    return gaps
+
+
 def step_kernels(engine: LLMEngine, batch: int, steps: int = 8) -> dict:
     """Kernels of whole decode steps (engine.step(): the forward, the LM head, sampling and the
     copies around them), by name, per step: what `kernels` leaves out, the step's tail."""
@@ -454,7 +495,8 @@ def main() -> None:
         "--sections",
         default="decode,phases,kernels,pieces,mixed",
         help="also: host (cProfile of decode steps), prefill (one prompt's kernels), "
-        "step-kernels (the kernels of whole decode steps: forward, LM head, sampling)",
+        "step-kernels (the kernels of whole decode steps: forward, LM head, sampling), "
+        "timeline (one decode forward: device busy and idle, idle by the gap's ends)",
     )
     parser.add_argument("--label", default="", help="a tag for this tree, e.g. a commit")
     parser.add_argument(
@@ -532,6 +574,8 @@ def main() -> None:
                 emit(mode=mode, batch=batch, section="phases", **phases(engine, batch, 20))
             if "kernels" in sections and mode != "none":
                 emit(mode=mode, batch=batch, section="kernels", **kernels(engine, batch))
+            if "timeline" in sections:
+                emit(mode=mode, batch=batch, section="timeline", **forward_timeline(engine, batch))
             if "step-kernels" in sections:
                 emit(mode=mode, batch=batch, section="step-kernels", **step_kernels(engine, batch))
             if "host" in sections:

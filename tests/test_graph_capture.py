@@ -129,6 +129,45 @@ def test_replay_alternates_segments_and_breaks(rec):
     assert [f"{what} {n}" for what, n in rec.events] == replayed
 
 
+def test_each_break_sees_its_own_memo_in_every_replay_and_none_elsewhere(rec):
+    """replay_memo(): during a replay, the dict of the break being run, the same one at every
+    replay and another for each break; None during capture, between breaks, after a break
+    that raised, and outside replays."""
+    seen = []
+
+    def attend(h, out):
+        seen.append(breakable.replay_memo())
+        out.copy_(h)
+
+    def forward():
+        x = run_outside_graph(attend, torch.zeros(2), out=torch.empty(2))
+        seen.append(("between", breakable.replay_memo()))
+        return run_outside_graph(attend, x, out=torch.empty(2))
+
+    graph = BreakableGraph((0, 1), FakeStream())
+    graph.capture(forward)
+    assert seen == [("between", None)]
+    seen.clear()
+    graph.replay()
+    first, second = seen
+    assert isinstance(first, dict) and isinstance(second, dict) and first is not second
+    first["bound"] = "kept"
+    graph.replay()
+    assert seen[2] is first and seen[3] is second and seen[2] == {"bound": "kept"}
+    assert breakable.replay_memo() is None
+    run_outside_graph(attend, torch.zeros(2), out=torch.empty(2))
+    assert seen[-1] is None
+
+    def broken(h, out):
+        raise ValueError("kernel bug")
+
+    failing = BreakableGraph((0, 1), FakeStream())
+    failing.capture(lambda: run_outside_graph(broken, torch.zeros(2), out=torch.empty(2)))
+    with pytest.raises(ValueError, match="kernel bug"):
+        failing.replay()
+    assert breakable.replay_memo() is None
+
+
 def test_without_breaks_the_call_is_captured_inline(rec):
     graph = BreakableGraph((0, 1), FakeStream())
     graph.capture(lambda: model(rec, torch.zeros(4)), breaks=False)

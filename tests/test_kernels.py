@@ -1040,8 +1040,9 @@ class _Steps:
 
         monkeypatch.setattr(triton_backend, "PagedAttention", spy)
 
-    def run(self, q_lens, seq_lens):
-        """One step; returns the PagedAttention its layers launched."""
+    def run(self, q_lens, seq_lens, q=None, out=None):
+        """One step; returns the PagedAttention its layers launched. Given q and out (a graph
+        break's: the same tensors every replay), new values are written into them."""
         from ostinato.context import AttentionMetadata
 
         n, tokens = len(q_lens), sum(q_lens)
@@ -1049,14 +1050,16 @@ class _Steps:
         self.seq_lens[:n] = torch.tensor(seq_lens)
         f = self.full
         slots = [s[:length] for s, length in zip(f.slots, seq_lens, strict=False)]
-        step = Batch(torch.randn(tokens, 4, 32), f.k_cache, f.v_cache,
-                     self.query_start_loc[: n + 1], self.seq_lens[:n], f.block_table[:n],
-                     slots)  # fmt: skip
+        q = torch.empty(tokens, 4, 32) if q is None else q
+        q.copy_(torch.randn(tokens, 4, 32))
+        step = Batch(q, f.k_cache, f.v_cache, self.query_start_loc[: n + 1], self.seq_lens[:n],
+                     f.block_table[:n], slots)  # fmt: skip
         meta = AttentionMetadata(tokens, n, step.query_start_loc, step.seq_lens,
                                  step.block_table, torch.zeros(tokens, dtype=torch.int64),
                                  step.query_start_loc, step.seq_lens)  # fmt: skip
         plan = self.backend.plan(meta)
-        out = torch.full_like(step.q, NAN)
+        out = torch.empty_like(step.q) if out is None else out
+        out.fill_(NAN)
         plan(step.q, *new_kv_rows(step, 4), out, f.k_cache, f.v_cache, 32**-0.5)
         check_attention(step, out, 32**-0.5, torch.float32)
         (launch,) = plan.launches.values()
@@ -1081,6 +1084,36 @@ def test_eager_steps_keep_their_attention_launches(monkeypatch):
     one_request = steps.run([2], [45])
     assert one_request is not first and len(steps.built) == 2
     assert steps.run([1, 1], [50, 50]) is first and len(steps.built) == 2
+
+
+def test_a_graph_breaks_replays_bind_its_attention_launch_once(monkeypatch):
+    """A break's call in replays (replay_memo: a memo per break) passes the same q, out and
+    caches every time: the plan binds the launch at the first replay and calls what it bound at
+    the next ones, with new lengths and values; a new instance for the step (the eager cache
+    dropped the old one) or another cache array gets a new binding. Every output is right."""
+    from ostinato.attention import triton_backend
+    from ostinato.kernels.paged_attention import PagedAttention
+
+    steps = _Steps(monkeypatch)
+    memo, binds = {}, []
+    monkeypatch.setattr(triton_backend, "replay_memo", lambda: memo)
+    bind = PagedAttention.bind
+    monkeypatch.setattr(PagedAttention, "bind", lambda s, *a: binds.append(s) or bind(s, *a))
+    q = torch.empty(2, 4, 32)
+    out = torch.empty_like(q)
+    first = steps.run([1, 1], [20, 33], q, out)
+    assert steps.run([1, 1], [60, 9], q, out) is first and binds == [first]
+    steps.backend.eager.launches.clear()
+    second = steps.run([1, 1], [41, 2], q, out)
+    assert second is not first and binds == [first, second]
+    assert steps.run([1, 1], [17, 30], q, out) is second and len(binds) == 2
+    f = steps.full
+    f.k_cache = f.k_cache * 2  # another array, other values
+    assert steps.run([1, 1], [50, 50], q, out) is second and binds == [first, second, second]
+    f.v_cache = f.v_cache - 1
+    steps.run([1, 1], [7, 44], q, out)
+    steps.run([1, 1], [44, 7], q, out)
+    assert len(binds) == 4
 
 
 def test_graph_captures_and_warm_ups_neither_take_nor_fill_the_eager_cache(monkeypatch):

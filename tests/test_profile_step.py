@@ -120,3 +120,17 @@ def test_the_prefill_section_runs_on_tiny(profile_step, monkeypatch, tmp_path):
     assert timeline["wall_ms"] > 0 and timeline["device_span_ms"] is None
     trace = json.loads((traces / f"prefill-{row['mode']}-16.json").read_text())
     assert any(e.get("name") == profile_step.STEP for e in trace["traceEvents"])
+
+
+def test_idle_gaps_open_only_past_the_latest_end_and_sum_by_their_ends(profile_step):
+    device = [
+        (0.0, 10.0, "segment"),
+        (4.0, 6.0, "early"),  # overlaps: no gap, and ends before the segment
+        (13.0, 20.0, "attention"),  # 3 idle after the segment, not after "early"
+        (25.0, 30.0, "segment"),  # 5 after attention
+        (33.0, 34.0, "attention"),  # 3 after the segment again
+        (34.0, 35.0, "segment"),  # touching: no gap
+    ]
+    gaps = profile_step.idle_by_gap(device)
+    assert gaps == {"segment -> attention": 6.0, "attention -> segment": 5.0}
+    assert profile_step.idle_by_gap([]) == {}

@@ -24,6 +24,7 @@ import torch
 
 _capturing: BreakableGraph | None = None  # the breakable capture under way, if any
 _warming_up = False  # the eager warm-up of a breakable capture under way
+_replaying: dict | None = None  # the memo of the break a replay is running, if any
 
 
 def breaking() -> bool:
@@ -56,6 +57,15 @@ def run_outside_graph(
     else:
         _capturing.add_break(fn, tensors, out)
     return out
+
+
+def replay_memo() -> dict | None:
+    """While a replay runs a break, that break's memo: a dict that lives as long as its graph.
+    The break's call passes the same tensors at every replay, so it may keep there what it
+    derives from them alone (an attention launch's bound arguments: a PIECEWISE decode step
+    pays each break's host time). What also depends on the live batch must be checked before
+    reuse. None outside a replay's breaks: an eager step's tensors are new every step."""
+    return _replaying
 
 
 def alias(t: torch.Tensor) -> torch.Tensor:
@@ -107,7 +117,7 @@ class BreakableGraph:
     ) -> None:
         """Called by run_outside_graph during capture: end the segment, record, begin anew."""
         self._end_segment()
-        self._steps.append(partial(fn, *map(alias, tensors), alias(out)))
+        self._steps.append(_Break(partial(fn, *map(alias, tensors), alias(out))))
         self.num_breaks += 1
         self._begin_segment()
 
@@ -125,3 +135,20 @@ class BreakableGraph:
         segment, self._segment = self._segment, None
         segment.capture_end()
         self._steps.append(segment.replay)
+
+
+class _Break:
+    """An eager call between two segments, run with its memo as replay_memo()."""
+
+    __slots__ = ("call", "memo")
+
+    def __init__(self, call: Callable[[], object]) -> None:
+        self.call, self.memo = call, {}
+
+    def __call__(self) -> None:
+        global _replaying
+        _replaying = self.memo
+        try:
+            self.call()
+        finally:
+            _replaying = None

@@ -15,7 +15,8 @@ launch is called directly (_launcher).
 from __future__ import annotations
 
 import inspect
-from functools import cache, reduce
+from collections.abc import Callable
+from functools import cache, partial, reduce
 from operator import attrgetter, or_
 
 import torch
@@ -70,18 +71,37 @@ class Launch:
         if not self.direct:
             self.kernel[grid](*head, *self.tail, **self.kwargs)
             return
-        pointers = [*map(_data_ptr, head)]
-        device = head[0].get_device()
-        # what Triton specialises on in the head: 16-byte alignment (True when every pointer
-        # is aligned, found by one C-level OR; else each pointer's) and the dtypes
-        aligned = not reduce(or_, pointers) & 15 or tuple([p % 16 == 0 for p in pointers])
-        key = (self.key, device, aligned, *map(_dtype, head))
+        pointers, device, key = self._key(head)
         compiled = _compiled.get(key)
         if compiled is None:
             _compiled[key] = _launcher(self.kernel[grid](*head, *self.tail, **self.kwargs))
             return
         launcher, between = compiled
         launcher(*grid, _current_stream(device), *between, *pointers, *self.rest)
+
+    def bind(self, *head: torch.Tensor) -> Callable[[], None] | None:
+        """This launch of these head tensors as a call without arguments, for a caller that
+        passes the same tensors every time: every argument but the stream found once. None
+        until the kernel's variant for them has been compiled (by a first run). The call holds
+        no tensor: its caller keeps this Launch (its tail) and the head alive while it uses it."""
+        if not self.direct:
+            return partial(self.run, self.grid, *head)
+        pointers, device, key = self._key(head)
+        compiled = _compiled.get(key)
+        if compiled is None:
+            return None
+        launcher, between = compiled
+        grid, args = self.grid, (*between, *pointers, *self.rest)
+        return lambda: launcher(*grid, _current_stream(device), *args)
+
+    def _key(self, head: tuple[torch.Tensor, ...]) -> tuple[list[int], int, tuple]:
+        """(the head's pointers, its device, the key of the compiled kernel for it)"""
+        pointers = [*map(_data_ptr, head)]
+        device = head[0].get_device()
+        # what Triton specialises on in the head: 16-byte alignment (True when every pointer
+        # is aligned, found by one C-level OR; else each pointer's) and the dtypes
+        aligned = not reduce(or_, pointers) & 15 or tuple([p % 16 == 0 for p in pointers])
+        return pointers, device, (self.key, device, aligned, *map(_dtype, head))
 
 
 def _launcher(kernel) -> tuple:

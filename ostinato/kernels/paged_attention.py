@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -671,13 +672,35 @@ class PagedAttention:
         norms."""
         if self.attend is None:
             return
-        if self.direct or self.rope:
-            self.attend(q, k_cache, v_cache, out, k, v, q_norm if q_norm is not None else q,
-                        k_norm if k_norm is not None else q)  # fmt: skip
-        else:
-            self.attend(q, k_cache, v_cache, out, k_cache, v_cache, q, q)
+        self.attend(*self._head(q, k_cache, v_cache, out, k, v, q_norm, k_norm))
         if self.combine is not None:
             self.combine(out)
+
+    def bind(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+        k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    ) -> Callable[[], None] | None:  # fmt: skip
+        """This instance's call with these tensors (no norms), for a caller that passes the
+        same ones every time and keeps this instance alive meanwhile (Launch.bind). None until
+        each launch has run once with them."""
+        if self.attend is None:
+            return _nothing
+        attend = self.attend.bind(*self._head(q, k_cache, v_cache, out, k, v, None, None))
+        if self.combine is None or attend is None:
+            return attend
+        combine = self.combine.bind(out)
+        return combine and (lambda: (attend(), combine()))
+
+    def _head(self, q, k_cache, v_cache, out, k, v, q_norm, k_norm) -> tuple[torch.Tensor, ...]:
+        """The attention launch's per-layer arguments; a pointer it never reads takes q's."""
+        if self.direct or self.rope:
+            return (q, k_cache, v_cache, out, k, v, q_norm if q_norm is not None else q,
+                    k_norm if k_norm is not None else q)  # fmt: skip
+        return (q, k_cache, v_cache, out, k_cache, v_cache, q, q)
+
+
+def _nothing() -> None:
+    """An instance with nothing to attend (no tokens or no requests) launches nothing."""
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -462,6 +462,35 @@ def test_direct_launches_match_triton_launches():
             check(layer, out)
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_a_bound_launch_gives_the_instances_bits(merge):
+    """PagedAttention.bind (a graph break's launch at replays: its arguments found once, the
+    same q, out and caches every call): with new q values and new lengths written in place,
+    each bound call gives the bits of calling the instance, its split KV merged in the
+    attention kernel (eager instances) or by the combine launch (graphs')."""
+    heads, kv_heads, head_dim = SHAPES["qwen3-0.6b"]
+    b = make_batch([1] * 4, [3000] * 4, heads, kv_heads, head_dim)
+    q, k_cache, v_cache = b["q"], b["k_cache"], b["v_cache"]
+    config = choose_config(q, k_cache, b["block_table"], 4)
+    config = config._replace(splits=max(config.splits, 2))
+    out = torch.full_like(q, NAN)
+    meta = (b["query_start_loc"], b["seq_lens"], b["block_table"], head_dim**-0.5)
+    attention = PagedAttention(q, out, k_cache, *meta, config, merge=merge)
+    assert (attention.combine is None) == merge
+    attention(q, k_cache, v_cache, out)  # compiles the variants a bound call needs
+    bound = attention.bind(q, k_cache, v_cache, out)
+    for lens in ([2999, 17, 1500, 1], [1, 3000, 64, 2222]):
+        b["seq_lens"].copy_(torch.tensor(lens))
+        q.copy_(torch.randn_like(q))
+        out.fill_(NAN)
+        bound()
+        got = out.clone()
+        check(b, got)
+        out.fill_(NAN)
+        attention(q, k_cache, v_cache, out)
+        assert torch.equal(got, out)
+
+
 # ---- CUDA graphs ---------------------------------------------------------------------------
 
 
