@@ -1,7 +1,8 @@
 #!/bin/bash
 # session 44 calls: bash .gpu/s44.sh STAGE (a copy of this file; trees under .gpu/):
 # m = main 5c329ef; p = m + profile_step.py's timeline section; b = p + a graph break's attention launch bound
-# once and called at later replays (breakable.replay_memo, Launch.bind, PagedAttention.bind)
+# once and called at later replays (breakable.replay_memo, Launch.bind, PagedAttention.bind); c = main 55e1bf6
+# (b landed, and SplitSum.settle through a cached Launch)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
@@ -46,6 +47,25 @@ d)  # b against m: PIECEWISE qwen3-0.6b batch 1, async scheduling on and off, m 
     --sections decode,phases,pieces,timeline --label b 2>>$OUT/err.txt | grep -v "^{" | tee $OUT/piecewise-b.txt)
   tests b 120 tests/gpu/test_kernels.py -k "bound or direct_launches or cuda_graph_replays" tests/gpu/test_breakable.py
   tests b 300 tests/gpu/test_engine_graphs.py
+  ;;
+e)  # c on nvidia-h200-x2 (GPU 0): the GPU tests of the other PIECEWISE breaks (prefill's DIRECT launches,
+    # verify steps, LoRA, MoE) and of the FP8 settle launch
+  tests c 300 tests/gpu/test_prefill_graphs.py tests/gpu/test_moe.py tests/gpu/test_spec_graphs.py tests/gpu/test_lora.py
+  tests c 100 tests/gpu/test_fp8.py -k "every_mode or unsummed"
+  ;;
+f)  # c on nvidia-h200-x2: two-GPU tests (K selects; stops after 3 failures), topology first
+  nvidia-smi topo -m | tee $OUT/topology.txt | head -n 4
+  tests c 430 tests/gpu/test_parallel.py --maxfail=3 -k "$K"
+  ;;
+g)  # c on nvidia-h200-x2: what e's time limits cut (LoRA's tests after the seventh), then two-GPU tests: T=2
+    # in the PIECEWISE modes (the breaks' memo under tensor parallelism), P=2 full_and_piecewise, a killed stage
+  tests c 170 tests/gpu/test_lora.py
+  tests c 230 tests/gpu/test_parallel.py --maxfail=2 \
+    -k "(two_tensor_ranks_equal and piecewise) or (two_stages_equal and full_and_piecewise) or killed_stage"
+  ;;
+h)  # c on nvidia-h200-x2: the FP8 test e's limit cut; more two-GPU tests
+  tests c 60 tests/gpu/test_fp8.py -k block_wise_fp8_checkpoint_every_mode
+  tests c 150 tests/gpu/test_parallel.py --maxfail=2 -k "(two_stages_equal and piecewise and not full) or lazy or (lost and SIGKILL)"
   ;;
 esac
 stamp done
