@@ -109,8 +109,14 @@ class TritonAttentionPlan:
         its key, and its launch's arguments while this step's instance and the layer's cache
         are the ones they were bound to, are kept in the break's memo. That halves the host
         time of a PIECEWISE decode step's breaks (benchmarks/h200-2026-11-28-s44.md)."""
-        key = memo.get("key") or memo.setdefault("key", self._key(q, k, out, k_cache, scale))
-        launch = self.launches.get(key) or self._get(q, k, out, k_cache, scale, None)
+        # merge=False: the break's instance leaves a split KV to the combine launch, as graphs
+        # do. Both launches are bound, so the second costs one launcher call of host time, and
+        # the pair less device time than the merged kernel: qwen3-0.6b's PIECEWISE batch 1
+        # 2.1% faster on the H200 (benchmarks/h200-2026-11-28-s44.md)
+        key = memo.get("key") or memo.setdefault(
+            "key", self._key(q, k, out, k_cache, scale, merge=False)
+        )
+        launch = self.launches.get(key) or self._get(q, k, out, k_cache, scale, None, key)
         held = memo.get("bound")
         if held is not None and held[0] is launch and held[1] is k_cache and held[2] is v_cache:
             return held[3]()
@@ -119,18 +125,23 @@ class TritonAttentionPlan:
         if bound is not None:
             memo["bound"] = (launch, k_cache, v_cache, bound)
 
-    def _get(self, q, k, out, k_cache, scale: float, rotation: Rotation | None) -> PagedAttention:
-        key = self._key(q, k, out, k_cache, scale, rotation)
+    def _get(
+        self, q, k, out, k_cache, scale: float, rotation: Rotation | None, key: tuple = ()
+    ) -> PagedAttention:
+        key = key or self._key(q, k, out, k_cache, scale, rotation)
         launch = self.launches.get(key)
         if launch is None:
             launch = self.launches[key] = self._launch(key, q, k, out, k_cache, scale, rotation)
         return launch
 
     @staticmethod
-    def _key(q, k, out, k_cache, scale: float, rotation: Rotation | None = None) -> tuple:
+    def _key(
+        q, k, out, k_cache, scale: float, rotation: Rotation | None = None, merge: bool = True
+    ) -> tuple:
+        """merge (last): whether an eager instance merges a split KV in the attention kernel"""
         norms = rotation is not None and (rotation.q_weight is not None, rotation.eps)
         return (q.shape, q.stride(), out.stride(), k.stride(), k_cache.stride(), q.dtype, scale,
-                norms)  # fmt: skip
+                norms, merge)  # fmt: skip
 
     def _launch(self, key, q, k, out, k_cache, scale, rotation) -> PagedAttention:
         m = self.meta
@@ -141,7 +152,7 @@ class TritonAttentionPlan:
             norm = rotation.q_weight is not None
             rope = Rope(rotation.cos_sin_cache, m.slot_mapping, norm, rotation.eps)
         if _eager(q):
-            return self.eager.get(key, q, k, out, k_cache, tensors, scale, rope)
+            return self.eager.get(key, q, k, out, k_cache, tensors, scale, rope, merge=key[-1])
         return PagedAttention(q, out, k_cache, *tensors, scale, new_kv=k, rope=rope)
 
 
@@ -160,9 +171,10 @@ class EagerLaunches:
     reads lengths on the device, so it serves any later step of that form. Graph captures
     never take one: a graph keeps using the scratch of the instance it captured, which must
     live in the graph's memory pool, not be freed when this cache drops it. Warm-ups neither
-    (they run on the capture stream). An eager instance merges a split KV in the attention
-    kernel (merge=True): one launch a layer fewer, which costs host time here and device
-    time in a graph, so graphs keep the combine launch."""
+    (they run on the capture stream). An eager step's instance merges a split KV in the
+    attention kernel (merge=True): one launch a layer fewer, which costs host time here and
+    device time in a graph, so graphs keep the combine launch, and so do a PIECEWISE step's
+    breaks, whose launches are bound (TritonAttentionPlan._replay)."""
 
     SIZE = 32  # kinds of step kept: decode batch sizes and prefill chunk lengths come and go
 
@@ -170,8 +182,9 @@ class EagerLaunches:
         self.launches: dict[tuple, PagedAttention] = {}
 
     def get(
-        self, key: tuple, q, k, out, k_cache, tensors: tuple, scale: float, rope: Rope | None
-    ) -> PagedAttention:
+        self, key: tuple, q, k, out, k_cache, tensors: tuple, scale: float, rope: Rope | None,
+        merge: bool = True,
+    ) -> PagedAttention:  # fmt: skip
         """The instance for a step whose first layer passes these (`key`: the plan's)."""
         held = (*tensors, *rope[:2]) if rope else tensors
         where = ((t.data_ptr(), t.shape, t.stride()) for t in held)
@@ -179,7 +192,7 @@ class EagerLaunches:
         launch = self.launches.pop(full, None)
         if launch is None:
             launch = PagedAttention(
-                q, out, k_cache, *tensors, scale, merge=True, new_kv=k, rope=rope
+                q, out, k_cache, *tensors, scale, merge=merge, new_kv=k, rope=rope
             )
             if len(self.launches) >= self.SIZE:  # the least recently used goes
                 del self.launches[next(iter(self.launches))]

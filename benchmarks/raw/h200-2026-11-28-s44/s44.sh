@@ -2,7 +2,8 @@
 # session 44 calls: bash .gpu/s44.sh STAGE (a copy of this file; trees under .gpu/):
 # m = main 5c329ef; p = m + profile_step.py's timeline section; b = p + a graph break's attention launch bound
 # once and called at later replays (breakable.replay_memo, Launch.bind, PagedAttention.bind); c = main 55e1bf6
-# (b landed, and SplitSum.settle through a cached Launch)
+# (b landed, and SplitSum.settle through a cached Launch); bc = c + break-combine.diff (a PIECEWISE break
+# takes an instance that leaves a split KV to the combine launch, both launches bound)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/env.txt
@@ -66,6 +67,11 @@ g)  # c on nvidia-h200-x2: what e's time limits cut (LoRA's tests after the seve
 h)  # c on nvidia-h200-x2: the FP8 test e's limit cut; more two-GPU tests
   tests c 60 tests/gpu/test_fp8.py -k block_wise_fp8_checkpoint_every_mode
   tests c 150 tests/gpu/test_parallel.py --maxfail=2 -k "(two_stages_equal and piecewise and not full) or lazy or (lost and SIGKILL)"
+  ;;
+i)  # bc against c: PIECEWISE qwen3-0.6b batch 1 (async scheduling on), c bc c bc; bc's bound-launch and
+    # every-mode tests
+  for tree in c bc c bc; do LAT_S=45 lat $tree --model random:qwen3-0.6b --input-len 512 --batch-size 1 --cuda-graph-mode piecewise; done
+  tests bc 70 tests/gpu/test_kernels.py tests/gpu/test_engine_graphs.py -k "bound or every_mode or checker_passes"
   ;;
 esac
 stamp done
