@@ -72,6 +72,8 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "ostinato/server/metrics.py",
         ["tests/test_metrics.py", "tests/test_app_routes.py"],
     ),
+    "breakable": ("ostinato/graphs/breakable.py", ["tests/test_graph_capture.py"]),
+    "capture": ("ostinato/graphs/capture.py", ["tests/test_graph_capture.py"]),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part

@@ -7,7 +7,10 @@ captures, and what the runner does when a size runs out of memory. tests/gpu che
 
 import contextlib
 import itertools
+import logging
+import re
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,13 +37,15 @@ def test_outside_capture_calls_fn_and_returns_out():
     assert torch.equal(out, torch.full((3,), 3.0)) and len(calls) == 1
 
 
-def test_alias_views_the_same_memory():
-    base = torch.arange(12.0).reshape(3, 4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_alias_views_the_same_memory(dtype):
+    base = torch.arange(12).reshape(3, 4).to(dtype)
     view = base[1:, ::2]
     a = alias(view)
     assert (a.data_ptr(), a.shape, a.stride()) == (view.data_ptr(), view.shape, view.stride())
-    a.fill_(-1.0)
-    assert torch.equal(base[1:, ::2], torch.full((2, 2), -1.0))
+    assert a.dtype == dtype
+    a.fill_(-1)
+    assert torch.equal(base[1:, ::2], torch.full((2, 2), -1, dtype=dtype))
 
 
 class Recorder:
@@ -52,6 +57,8 @@ class Recorder:
         self.graphs = 0
         self.pools = itertools.count(1)
         self.pool_users: dict[tuple[int, int], int] = {}
+        self.streams: list = []  # what each torch.cuda.stream(...) was given
+        self.fail_end = False  # capture_end raises (a capture the error invalidated)
 
     def pool_handle(self) -> tuple[int, int]:
         return 0, next(self.pools)
@@ -72,6 +79,8 @@ class Recorder:
 
             def capture_end(self):
                 rec.events.append(("end", gid))
+                if rec.fail_end:
+                    raise RuntimeError("operation not permitted when stream is capturing")
 
             def replay(self):
                 rec.events.append(("replay", gid))
@@ -95,7 +104,7 @@ def rec(monkeypatch) -> Recorder:
         "CUDAGraph": rec.graph,
         "Stream": FakeStream,
         "current_stream": FakeStream,
-        "stream": lambda s: contextlib.nullcontext(),
+        "stream": lambda s: rec.streams.append(s) or contextlib.nullcontext(),
         "graph_pool_handle": rec.pool_handle,
         "synchronize": lambda: None,
         "empty_cache": lambda: None,
@@ -119,10 +128,12 @@ def model(rec: Recorder, x: torch.Tensor) -> torch.Tensor:
 
 
 def test_replay_alternates_segments_and_breaks(rec):
-    graph = BreakableGraph((0, 1), FakeStream())
+    stream = FakeStream()
+    graph = BreakableGraph((0, 1), stream)
     out = graph.capture(lambda: model(rec, torch.zeros(4)))
     segments = [("begin", 1), ("end", 1), ("begin", 2), ("end", 2), ("begin", 3), ("end", 3)]
     assert rec.events == segments  # the attention calls did not run during capture
+    assert rec.pool_users == {(0, 1): 3} and rec.streams == [stream]  # the graph's pool, stream
     rec.events.clear()
     assert graph.replay() is out and graph.num_breaks == 2
     replayed = ["replay 1", "attend 4", "replay 2", "attend 4", "replay 3"]
@@ -175,9 +186,14 @@ def test_without_breaks_the_call_is_captured_inline(rec):
     assert graph.num_breaks == 0
 
 
-def test_an_error_ends_the_open_segment_and_the_capture(rec):
+@pytest.mark.parametrize("end_fails", [False, True])
+def test_an_error_ends_the_open_segment_and_the_capture(rec, end_fails):
+    """The open segment's capture ends and the model's error is the one reported, also where
+    ending the capture fails too (CUDA invalidates a capture an error broke)."""
+
     def broken():
         run_outside_graph(lambda out: None, out=torch.empty(1))
+        rec.fail_end = end_fails
         raise ValueError("model bug")
 
     with pytest.raises(ValueError, match="model bug"):
@@ -186,6 +202,36 @@ def test_an_error_ends_the_open_segment_and_the_capture(rec):
     calls = []
     run_outside_graph(lambda out: calls.append(out), out=torch.empty(1))
     assert len(calls) == 1  # no capture is under way any more
+
+
+def test_one_breakable_capture_at_a_time(rec):
+    inner = BreakableGraph((0, 1), FakeStream())
+
+    def nested():
+        inner.capture(lambda: torch.zeros(1))
+
+    with pytest.raises(RuntimeError, match="^a breakable capture is already under way$"):
+        BreakableGraph((0, 1), FakeStream()).capture(nested)
+
+
+def test_breaking_answers_as_the_capture_the_forward_is_for(rec):
+    """breaking(): True in a capture with breaks and in the warm-up of one, False in a capture
+    without breaks (FULL), in the warm-up of one, and outside both."""
+    seen = []
+
+    def forward():
+        seen.append(breakable.breaking())
+        return torch.zeros(1)
+
+    forward()
+    graphs = [BreakableGraph((0, 1), FakeStream()) for _ in range(2)]  # alive: the pool's users
+    graphs[0].capture(forward)
+    graphs[1].capture(forward, breaks=False)
+    for breaks in (True, False):
+        with breakable.warm_up_for(breaks):
+            forward()
+    forward()
+    assert seen == [False, True, False, True, False, False]
 
 
 def test_runner_captures_largest_first_and_drops_what_runs_out_of_memory(rec):
@@ -277,13 +323,18 @@ def test_eager_capture_warms_up_once_per_kernel_variant(rec, kernels):
     assert report["cuda_graph_capture"] == "eager"
 
 
-def test_lazy_capture_on_first_use(rec, kernels):
+def test_lazy_capture_on_first_use(rec, kernels, caplog):
     config = EngineConfig(
         device="cuda", capture_sizes=[1, 4, 16], max_num_seqs=16, cuda_graph_capture="lazy"
     )
     runner, calls, eager_runs = GraphRunner(config), [], []
-    runner.capture(lazy_forward(rec, calls), prepare=lambda desc: pytest.fail("no dummy batch"))
-    assert not calls and not rec.events and runner.report()["captured"]["full"] == []
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        runner.capture(lazy_forward(rec, calls), prepare=lambda d: pytest.fail("no dummy batch"))
+    assert caplog.messages == ["lazy CUDA graph capture: each graph is captured when first needed"]
+    report = runner.report()
+    assert not calls and not rec.events and report["captured"]["full"] == []
+    assert (report["capture_seconds"], report["graph_memory_bytes"]) == (0.0, 0)
+    assert (report["warmup_memory_bytes"], report["warmups"]) == (0, 0)
 
     def eager():  # the step's own forward, as the runner's: the padded sizes, same kernels
         eager_runs.append(1)
@@ -329,29 +380,8 @@ def test_graph_memory_counts_the_captures_and_warm_up_memory_apart(rec, kernels,
     warm-up (the first launches load kernel modules): graph memory counts only the first."""
     free = [2**31]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free[0], 2**32))
-    make_graph = torch.cuda.CUDAGraph
-
-    def graph_taking_memory():
-        graph = make_graph()
-        begin = graph.capture_begin
-
-        def capture_begin(pool=None):
-            free[0] -= 8 * 2**20
-            begin(pool)
-
-        graph.capture_begin = capture_begin
-        return graph
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", graph_taking_memory)
-    recording = variants.recording
-
-    @contextlib.contextmanager
-    def loading_modules():
-        free[0] -= 100 * 2**20
-        with recording():
-            yield
-
-    monkeypatch.setattr(variants, "recording", loading_modules)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", taking_graph_memory(free, 8 * 2**20))
+    monkeypatch.setattr(variants, "recording", taking_memory(variants.recording, free, 100 * 2**20))
     config = EngineConfig(device="cuda", capture_sizes=[1, 2, 4, 16, 32], max_num_seqs=32)
     runner = GraphRunner(config)
     runner.capture(lazy_forward(rec, []), prepare=lambda desc: None)
@@ -397,3 +427,165 @@ def test_full_prefill_keys_are_captured_whole_eagerly_and_lazily(rec, kernels):
     assert report["steps"] == {"none": 1, "piecewise": 0, "full": 1}
     assert report["full_prefill_steps"] == 1  # the eager first use is no replay
     assert report["captured"]["full"] == [asdict(BatchDescriptor(128, 4, None))]
+
+
+def test_eager_capture_prepares_each_key_on_the_side_stream_and_logs_what_it_took(
+    rec, kernels, monkeypatch, caplog
+):
+    """Each key's dummy batch is prepared just before its capture; the captures run on the
+    side stream, which first waits for the current stream, and the current stream waits for it
+    after; capture_seconds is the clock's difference and the log line gives the graphs by mode,
+    the seconds, the warm-ups and both memories in MiB."""
+    from ostinato.graphs import capture as capture_module
+
+    now = [100.0]  # each forward takes half a second of the capture module's clock
+    monkeypatch.setattr(capture_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    free = [2**31]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (free[0], 2**32))
+    monkeypatch.setattr(variants, "recording", taking_memory(variants.recording, free, 2**20))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", taking_graph_memory(free, 2**19))
+    bars = []
+    fake_tqdm = lambda todo, **kwargs: bars.append(kwargs) or todo  # noqa: E731
+    monkeypatch.setattr(capture_module, "tqdm", fake_tqdm)
+    waits = []
+    monkeypatch.setattr(FakeStream, "wait_stream", lambda s, other: waits.append((s, other)))
+    order = []
+
+    def forward(desc: BatchDescriptor) -> torch.Tensor:
+        order.append(("forward", desc))
+        if variants.mode == variants.RECORD:  # a warm-up takes the paths its capture will
+            assert breakable.breaking() is (desc.num_reqs is None)  # PIECEWISE keys: no reqs
+        now[0] += 0.5
+        return model(rec, double(torch.ones(desc.num_tokens)))
+
+    config = EngineConfig(device="cuda", capture_sizes=[1, 2, 16], max_num_seqs=16)
+    runner = GraphRunner(config)
+    with caplog.at_level(logging.INFO, logger="ostinato"):
+        runner.capture(forward, prepare=lambda desc: order.append(("prepare", desc)))
+    prepared = None
+    for what, desc in order:
+        assert what == "prepare" or desc == prepared  # every capture and warm-up of its key
+        prepared = desc if what == "prepare" else prepared
+    assert sum(what == "prepare" for what, _ in order) == 6  # one per key: 3 FULL, 3 PIECEWISE
+    (side,) = set(rec.streams)
+    assert [w[0] is side for w in waits] == [True, False] and waits[1][1] is side
+    assert waits[0][1] is not None
+    report = runner.report()
+    seconds = 0.5 * sum(what == "forward" for what, _ in order)
+    assert report["capture_seconds"] == seconds > 0 and report["warmups"] == 3
+    graph_mib = sum(e[0] == "begin" for e in rec.events) / 2  # half a MiB a segment
+    assert report["graph_memory_bytes"] == graph_mib * 2**20 > 0
+    assert report["warmup_memory_bytes"] == 3 * 2**20  # one variant of n per size
+    assert bars == [{"desc": "Capturing CUDA graphs", "disable": None}]  # off without a TTY
+    assert caplog.messages[-1] == (
+        f"captured 3 full, 3 piecewise in {seconds:.2f} s (3 warm-ups), {graph_mib:.1f} MiB of "
+        "graph memory (+3.0 MiB that the warm-ups' first kernel launches took)"
+    )
+
+
+def taking_graph_memory(free: list, nbytes: int):
+    """torch.cuda.CUDAGraph (the recorder's) whose every capture takes nbytes of free memory."""
+    make_graph = torch.cuda.CUDAGraph
+
+    def graph():
+        graph = make_graph()
+        begin = graph.capture_begin
+
+        def capture_begin(pool=None):
+            free[0] -= nbytes
+            begin(pool)
+
+        graph.capture_begin = capture_begin
+        return graph
+
+    return graph
+
+
+def taking_memory(recording, free: list, nbytes: int):
+    """variants.recording (a warm-up) that takes nbytes of the fake free memory."""
+
+    @contextlib.contextmanager
+    def warm_up():
+        free[0] -= nbytes
+        with recording():
+            yield
+
+    return warm_up
+
+
+def test_replays_check_the_buffers_addresses_only_with_debug_graph_addresses(rec):
+    """debug_graph_addresses: every replay compares each persistent buffer's address with the
+    one captured, and a moved buffer is a clear error naming it and both addresses; without
+    the flag nothing is checked."""
+    bufs = {"input_ids": torch.zeros(16), "positions": torch.zeros(16)}
+    for debug in (True, False):
+        config = EngineConfig(
+            device="cuda", capture_sizes=[16], max_num_seqs=16, debug_graph_addresses=debug
+        )
+        runner = GraphRunner(config)
+        runner.capture(lambda d: model(rec, torch.zeros(d.num_tokens)), buffers=lambda: bufs)
+        mode, desc = runner.dispatch(10, 10, 1)
+        runner.run(mode, desc, 10, lambda: pytest.fail("a captured key replays"))
+        old, bufs["positions"] = bufs["positions"].data_ptr(), torch.zeros(16)
+        if not debug:
+            runner.run(mode, desc, 10, lambda: pytest.fail("a captured key replays"))
+            continue
+        new = bufs["positions"].data_ptr()
+        message = (
+            f"persistent buffer 'positions' moved since capture ({old:#x} -> {new:#x}): graphs "
+            "read the captured address, so copy into the buffer instead of replacing it"
+        )
+        with pytest.raises(RuntimeError, match=f"^{re.escape(message)}$"):
+            runner.run(mode, desc, 10, lambda: pytest.fail("a captured key replays"))
+
+
+def test_the_report_counts_replays_by_mode_query_length_and_adapter_count(rec):
+    config = EngineConfig(device="cuda", capture_sizes=[1, 4, 16], max_num_seqs=16)
+    runner = GraphRunner(config)
+    runner.capture(lambda d: model(rec, torch.zeros(d.num_tokens)))
+    padding = 0
+    for tokens, reqs, uniform in [(3, 3, 1), (4, 4, 1), (1, 1, 1), (12, 3, 4), (9, 2, None)]:
+        mode, desc = runner.dispatch(tokens, reqs, uniform)
+        runner.run(mode, desc, tokens, lambda: pytest.fail("a captured key replays"))
+        padding += desc.num_tokens - tokens
+    for _ in range(2):
+        assert runner.run(CudaGraphMode.NONE, BatchDescriptor.piecewise(5), 5, lambda: 7) == 7
+    report = runner.report()
+    assert report["padded_tokens"] == padding == 1 + 4 + 7
+    assert report["steps"] == {"none": 2, "piecewise": 2, "full": 3}
+    assert report["full_decode_steps"] == {"1": 3}
+    assert report["replays_by_active_loras"] == {"0": 5}
+
+
+@pytest.mark.parametrize("tensor_ranks", [1, 2])
+def test_out_of_memory_in_a_warm_up_drops_the_size_or_stops_a_tensor_parallel_rank(
+    rec, kernels, tensor_ranks
+):
+    """A warm-up (a cold kernel variant's) that runs out of memory drops its size on a single
+    rank, where capture carries on; a tensor-parallel rank must stop instead, with the size and
+    the fix: its peers wait in the warm-up's collectives, which it would never issue."""
+    config = EngineConfig(
+        device="cuda", capture_sizes=[1, 4], max_num_seqs=4, tensor_parallel_size=tensor_ranks
+    )
+    runner, calls = GraphRunner(config), []
+
+    def forward(desc: BatchDescriptor) -> torch.Tensor:
+        if variants.mode == variants.RECORD and desc.num_tokens == 4:  # size 4's warm-up
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return lazy_forward(rec, calls)(desc)
+
+    if tensor_ranks == 1:
+        runner.capture(forward, prepare=lambda desc: None)
+        assert {d.num_tokens for d in runner.dropped} == {4}
+        assert runner.report()["captured"]["full"] == [asdict(BatchDescriptor(1, 1, 1))]
+        return
+    message = (
+        "out of memory in the eager warm-up of {desc}: the tensor-parallel peers of this rank "
+        "wait in collectives it will not issue, so the engine stops; lower "
+        "gpu_memory_utilization or max_num_batched_tokens / max_capture_size"
+    )
+    with pytest.raises(RuntimeError) as error:
+        runner.capture(forward, prepare=lambda desc: None)
+    first = runner.dispatcher.descriptors()[CudaGraphMode.FULL][-1]  # the largest, captured first
+    assert str(error.value) == message.format(desc=first)
+    assert isinstance(error.value.__cause__, torch.cuda.OutOfMemoryError)
