@@ -1086,11 +1086,13 @@ def test_eager_steps_keep_their_attention_launches(monkeypatch):
     assert steps.run([1, 1], [50, 50]) is first and len(steps.built) == 2
 
 
-def test_a_graph_breaks_replays_bind_its_attention_launch_once(monkeypatch):
+def test_a_graph_breaks_replays_bind_its_attention_launch_at_the_second_replay(monkeypatch):
     """A break's call in replays (replay_memo: a memo per break) passes the same q, out and
-    caches every time: the plan binds the launch at the first replay and calls what it bound at
-    the next ones, with new lengths and values; a new instance for the step (the eager cache
-    dropped the old one) or another cache array gets a new binding. Every output is right."""
+    caches every time. The plan binds the launch at the second replay in a row with the same
+    instance and caches, and calls what it bound from the third on, with new lengths and
+    values. A new instance for the step (the eager cache dropped the old one) or another k or
+    v cache array starts over; steps whose instances alternate (their request counts do) never
+    bind. Every output is right."""
     from ostinato.attention import triton_backend
     from ostinato.kernels.paged_attention import PagedAttention
 
@@ -1101,21 +1103,27 @@ def test_a_graph_breaks_replays_bind_its_attention_launch_once(monkeypatch):
     monkeypatch.setattr(PagedAttention, "bind", lambda s, *a: binds.append(s) or bind(s, *a))
     q = torch.empty(2, 4, 32)
     out = torch.empty_like(q)
-    first = steps.run([1, 1], [20, 33], q, out)
-    assert steps.run([1, 1], [60, 9], q, out) is first and binds == [first]
+
+    def replays(*lengths) -> set:
+        return {steps.run([1, 1], lens, q, out) for lens in lengths}
+
+    (first,) = replays([20, 33])
+    assert binds == []
+    assert replays([60, 9], [5, 50], [33, 1]) == {first} and binds == [first]
     steps.backend.eager.launches.clear()
-    second = steps.run([1, 1], [41, 2], q, out)
+    (second,) = replays([41, 2], [17, 30], [2, 41])
     assert second is not first and binds == [first, second]
-    assert steps.run([1, 1], [17, 30], q, out) is second and len(binds) == 2
     f = steps.full
-    f.k_cache = f.k_cache * 2  # another array, other values
-    assert steps.run([1, 1], [50, 50], q, out) is second and binds == [first, second, second]
-    f.v_cache = f.v_cache - 1
-    steps.run([1, 1], [7, 44], q, out)
-    steps.run([1, 1], [44, 7], q, out)
-    assert len(binds) == 4
+    for cache in ("k_cache", "v_cache"):  # another array, other values
+        setattr(f, cache, getattr(f, cache) * 2 - 1)
+        bound = len(binds)
+        assert replays([50, 50]) == {second} and len(binds) == bound
+        assert replays([7, 44], [44, 7]) == {second} and binds[bound:] == [second]
+    one_request = [steps.run([2], [45], q, out), steps.run([1, 1], [9, 9], q, out)]
+    one_request += [steps.run([2], [30], q, out), steps.run([1, 1], [3, 3], q, out)]
+    assert len(binds) == 4 and one_request[0] is not second  # alternating: never bound
     # the breaks' own instances leave a split KV to the combine launch, as graphs do
-    assert steps.merged == [False, False]
+    assert steps.merged == [False, False, False]
 
 
 def test_graph_captures_and_warm_ups_neither_take_nor_fill_the_eager_cache(monkeypatch):

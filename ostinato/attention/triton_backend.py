@@ -106,9 +106,12 @@ class TritonAttentionPlan:
 
     def _replay(self, memo: dict, q, k, v, out, k_cache, v_cache, scale: float) -> None:
         """A graph break's call (never rotating): its tensors are the same at every replay, so
-        its key, and its launch's arguments while this step's instance and the layer's cache
+        its key, and its launch's arguments while this step's instance and the layer's caches
         are the ones they were bound to, are kept in the break's memo. That halves the host
-        time of a PIECEWISE decode step's breaks (benchmarks/h200-2026-11-28-s44.md)."""
+        time of a PIECEWISE decode step's breaks (benchmarks/h200-2026-11-28-s44.md). A
+        binding is made at the second replay in a row with the same instance and caches: mixed
+        steps whose request count changes from step to step take another instance each time,
+        and would pay a binding every step."""
         # merge=False: the break's instance leaves a split KV to the combine launch, as graphs
         # do. Both launches are bound, so the second costs one launcher call of host time, and
         # the pair less device time than the merged kernel: qwen3-0.6b's PIECEWISE batch 1
@@ -118,12 +121,12 @@ class TritonAttentionPlan:
         )
         launch = self.launches.get(key) or self._get(q, k, out, k_cache, scale, None, key)
         held = memo.get("bound")
-        if held is not None and held[0] is launch and held[1] is k_cache and held[2] is v_cache:
+        again = held is not None and held[0] is launch and held[1] is k_cache and held[2] is v_cache
+        if again and held[3] is not None:
             return held[3]()
         launch(q, k_cache, v_cache, out, k, v)
-        bound = launch.bind(q, k_cache, v_cache, out, k, v)  # held with what it points into
-        if bound is not None:
-            memo["bound"] = (launch, k_cache, v_cache, bound)
+        bound = launch.bind(q, k_cache, v_cache, out, k, v) if again else None
+        memo["bound"] = (launch, k_cache, v_cache, bound)  # held with what bound points into
 
     def _get(
         self, q, k, out, k_cache, scale: float, rotation: Rotation | None, key: tuple = ()
