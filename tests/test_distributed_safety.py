@@ -286,6 +286,44 @@ def test_a_host_wait_on_the_device_ends_at_its_deadline():
     deadline.wait_for(Finishing(), 5, "anything")
 
 
+def test_a_host_wait_spins_then_backs_off_and_names_what_it_waited_for(monkeypatch):
+    """On a clock of its own (each query takes half a millisecond): no sleep for the first
+    _SPIN_S, then sleeps doubling from 10 µs up to 1 ms; past the timeout, one error naming
+    what was awaited, the timeout and the cause. Without a timeout: a plain synchronize."""
+    now, sleeps = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append((now[0], seconds))
+        now[0] += seconds
+
+    monkeypatch.setattr(
+        deadline, "time", types.SimpleNamespace(monotonic=lambda: now[0], sleep=sleep)
+    )
+
+    class Stuck:
+        synchronized = False
+
+        def query(self) -> bool:
+            now[0] += 5e-4
+            return False
+
+        def synchronize(self) -> None:
+            self.synchronized = True
+
+    with pytest.raises(deadline.DeviceTimeout) as error:
+        deadline.wait_for(Stuck(), 0.05, "the step's sampled tokens")
+    assert str(error.value) == (
+        "the device did not finish the step's sampled tokens within distributed_timeout=0.05 s: "
+        "a collective or transfer of the step waits on a rank that is stuck or gone"
+    )
+    assert sleeps[0][0] > deadline._SPIN_S and now[0] > 0.05
+    doubling = [1e-5 * 2**i for i in range(7)] + [1e-3] * (len(sleeps) - 7)
+    assert [s for _, s in sleeps] == pytest.approx(doubling) and len(sleeps) > 9
+    event, before = Stuck(), now[0]
+    deadline.wait_for(event, None, "anything")
+    assert event.synchronized and now[0] == before  # neither a query nor a sleep
+
+
 class _Event:
     """A CUDA event the device reaches (done) or never does (a replay waiting on a peer)."""
 
