@@ -714,6 +714,39 @@ def test_per_call_tensors_key_on_dtype_and_alignment(monkeypatch):
     assert launched[-1][:3] == (1, 1, 1) and launched[-1][9:] == (*pointers, 48, 64)
 
 
+def test_a_bound_launch_calls_the_launcher_as_a_launch_would(monkeypatch):
+    """Launch.bind (a graph break's launch, its tensors the same every call): None while the
+    head's variant is not compiled; then a call without arguments that launches exactly what
+    launch(*head) does, taking the current stream at each call."""
+    monkeypatch.delenv("TRITON_INTERPRET")  # a direct launch
+    launched, compiles = [], []
+
+    class Compiled:
+        function, packed_metadata = "f", (4, 1, 0)
+
+        @staticmethod
+        def run(*args):
+            launched.append(args)
+
+    monkeypatch.setattr(Kernel, "run", lambda self, *a, **kw: compiles.append(a) or Compiled)
+    streams = iter(range(10, 20))
+    monkeypatch.setattr(launch_module, "_current_stream", lambda device: next(streams))
+    monkeypatch.setattr(launch_module, "_compiled", {})
+    monkeypatch.setattr(launch_module.triton, "__version__", "3.9.0")  # the launcher itself
+    launch = Launch(_copy_kernel, (3, 2, 1), num_head=2, tail=(48,), constexprs={"BLOCK": 64})
+    x, y = torch.zeros(64), torch.zeros(64)
+    assert launch.bind(x, y) is None  # nothing compiled yet
+    launch(x, y)  # compiles
+    bound = launch.bind(x, y)
+    assert launch.bind(x[1:], y) is None  # another alignment: another variant, not compiled
+    launch(x, y)  # stream 10
+    bound()  # stream 11
+    bound()  # stream 12
+    assert len(compiles) == 1 and len(launched) == 3
+    head = ((4, 1, 0), None, None, None, x.data_ptr(), y.data_ptr(), 48, 64)
+    assert launched == [(3, 2, 1, stream, "f", *head) for stream in (10, 11, 12)]
+
+
 def test_triton36_launches_skip_the_launchers_python(monkeypatch):
     """Where the compiled kernel's launcher is Triton 3.6's and the kernel needs no scratch, a
     cached launch calls its C launch with the arguments CudaLauncher.__call__ would add
