@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import logging
 import re
+import warnings
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -48,6 +49,12 @@ def test_alias_views_the_same_memory(dtype):
     assert torch.equal(base[1:, ::2], torch.full((2, 2), -1, dtype=dtype))
 
 
+EMPTY_GRAPH_WARNING = (
+    "The CUDA Graph is empty. This usually means that the graph was attempted to be captured "
+    "on wrong device or stream."
+)
+
+
 class Recorder:
     """Fake CUDA graphs that record what runs, and count the graphs using each memory pool as
     PyTorch does: a pool whose graphs are all gone is refused to the next capture."""
@@ -59,6 +66,7 @@ class Recorder:
         self.pool_users: dict[tuple[int, int], int] = {}
         self.streams: list = []  # what each torch.cuda.stream(...) was given
         self.fail_end = False  # capture_end raises (a capture the error invalidated)
+        self.empty_segments = False  # capture_end warns as torch does of an empty graph
 
     def pool_handle(self) -> tuple[int, int]:
         return 0, next(self.pools)
@@ -78,6 +86,8 @@ class Recorder:
                 rec.events.append(("begin", gid))
 
             def capture_end(self):
+                if rec.empty_segments:  # as torch warns of a graph that captured nothing
+                    warnings.warn(EMPTY_GRAPH_WARNING, stacklevel=2)
                 rec.events.append(("end", gid))
                 if rec.fail_end:
                     raise RuntimeError("operation not permitted when stream is capturing")
@@ -202,6 +212,25 @@ def test_an_error_ends_the_open_segment_and_the_capture(rec, end_fails):
     calls = []
     run_outside_graph(lambda out: calls.append(out), out=torch.empty(1))
     assert len(calls) == 1  # no capture is under way any more
+
+
+def test_a_capture_stopped_before_its_first_launch_ends_quietly(rec):
+    """A capture stopped by its first launch (a cold kernel variant, which the runner warms up
+    and captures again) ends an empty segment: torch's warning that capture went wrong would
+    mislead, so it is not shown. An empty segment of a capture that went on still warns."""
+
+    def cold():
+        raise variants.ColdKernel("_double_kernel: a variant no warm-up launched")
+
+    rec.empty_segments = True
+    graphs = [BreakableGraph((0, 1), FakeStream()) for _ in range(2)]  # alive: the pool's users
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with pytest.raises(variants.ColdKernel):
+            graphs[0].capture(cold)
+    assert shown == []
+    with pytest.warns(UserWarning, match="The CUDA Graph is empty"):
+        graphs[1].capture(lambda: torch.zeros(1))
 
 
 def test_one_breakable_capture_at_a_time(rec):

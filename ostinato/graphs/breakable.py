@@ -17,6 +17,7 @@ final output stays owned, so it is stable until this graph's next replay.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 
@@ -104,7 +105,11 @@ class BreakableGraph:
             try:
                 self.output = fn()
             except BaseException:
-                with contextlib.suppress(Exception):  # end the capture; report the first error
+                # end the capture and report the first error; a capture stopped at its first
+                # launch (a cold kernel variant: GraphRunner warms up and captures again) ends
+                # an empty segment, which torch warns of as if capture had gone wrong
+                with contextlib.suppress(Exception), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "The CUDA Graph is empty")
                     self._end_segment()
                 raise
             finally:
