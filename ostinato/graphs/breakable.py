@@ -4,7 +4,9 @@ The attention layer calls `run_outside_graph(fn, *tensors, out=out)`. Outside a 
 capture that is just `fn(*tensors, out)`. During one, the current segment ends, the call is
 recorded, and the next segment begins on the same stream in the same memory pool. Replay runs
 segment, call, segment, ...: each call runs eagerly on the tensors captured at its place,
-and reads the live batch metadata (from the forward context) at that moment.
+and reads the live batch metadata (from the forward context) at that moment. Since those
+tensors are the same at every replay, each call also sees a memo of its own (replay_memo)
+for what it derives from them alone: the attention launch binds its arguments there.
 
 Memory: every segment allocates from the one pool, and tensors that cross a break are held
 by the Python frames of the forward pass while capture runs, so no segment reuses them.
