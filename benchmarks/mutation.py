@@ -75,6 +75,7 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "breakable": ("ostinato/graphs/breakable.py", ["tests/test_graph_capture.py"]),
     "capture": ("ostinato/graphs/capture.py", ["tests/test_graph_capture.py"]),
     "deadline": ("ostinato/runner/deadline.py", ["tests/test_distributed_safety.py"]),
+    "variants": ("ostinato/kernels/variants.py", ["tests/test_graph_capture.py"]),
 }
 
 # module -> the methods (or module-level functions) mutated, where a module's name is one part

@@ -618,3 +618,52 @@ def test_out_of_memory_in_a_warm_up_drops_the_size_or_stops_a_tensor_parallel_ra
     first = runner.dispatcher.descriptors()[CudaGraphMode.FULL][-1]  # the largest, captured first
     assert str(error.value) == message.format(desc=first)
     assert isinstance(error.value.__cause__, torch.cuda.OutOfMemoryError)
+
+
+@jit
+def _keyed_kernel(x_ptr, n, scale, flag, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), scale, mask=(tl.arange(0, BLOCK) < n) & flag)
+
+
+def test_launch_keys_tell_apart_what_triton_specialises_on():
+    """A warm-up must have launched the variant a capture launches: the key holds, per
+    argument, what Triton compiles a new variant for (a tensor's dtype and 16-byte alignment;
+    an integer's being 1, a multiple of 16, within int32; a bool's value; every constexpr and
+    launch option's value) and nothing else (pointers' values, other integers, floats)."""
+    x = torch.zeros(64)
+
+    def key(*args, **kwargs):
+        return variants.launch_key(_keyed_kernel, args, {"BLOCK": 64, "num_warps": 4, **kwargs})
+
+    base = key(x, 5, 0.5, True)
+    same = [
+        key(x[4:], 5, 0.5, True),  # another aligned pointer
+        key(x, 7, 0.5, True),  # another integer of the same class
+        key(x, 5, 0.25, True),  # another float
+        key(x, 5, 0.5, True, num_warps=4),
+    ]
+    differ = [
+        key(x[1:], 5, 0.5, True),  # 4 bytes in: not aligned
+        key(x.to(torch.float16), 5, 0.5, True),
+        key(x, 1, 0.5, True),
+        key(x, 32, 0.5, True),
+        key(x, 2**31 + 1, 0.5, True),  # past int32
+        key(x, 5, 0.5, False),
+        key(x, 5, 0.5, True, BLOCK=128),  # a constexpr
+        key(x, 5, 0.5, True, num_warps=8),  # a launch option
+    ]
+    assert all(k == base for k in same)
+    assert all(k != base for k in differ) and len(set(differ)) == len(differ)
+    # int32's edges: in range at -2**31 and 2**31 - 1, out just past them
+    assert key(x, 2**31 - 1, 0.5, True) == base != key(x, 2**31 + 3, 0.5, True)
+    assert key(x, -(2**31), 0.5, True) == key(x, 32, 0.5, True) != key(x, 2**31, 0.5, True)
+    assert key(x, -(2**31) - 16, 0.5, True) != key(x, 32, 0.5, True)
+    positional = variants.launch_key(_keyed_kernel, (x, 5, 0.5, True, 64), {})
+    assert positional != variants.launch_key(_keyed_kernel, (x, 5, 0.5, True, 128), {})
+    by_keyword = variants.launch_key(_keyed_kernel, (x,), {"n": 5, "scale": 0.5, "flag": True})
+    assert by_keyword == variants.launch_key(
+        _keyed_kernel, (x,), {"n": 9, "scale": 2.0, "flag": True}
+    )
+    assert by_keyword != variants.launch_key(
+        _keyed_kernel, (x,), {"n": 1, "scale": 0.5, "flag": True}
+    )
