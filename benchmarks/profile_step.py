@@ -221,9 +221,7 @@ def forward_timeline(engine: LLMEngine, batch: int) -> dict:
             sync()
     events = intervals(prof)
     timeline = step_timeline(events)
-    (start, end) = [(a, b) for kind, name, a, b in events if kind == "host" and name == STEP][0]
-    device = sorted((a, b, name) for kind, name, a, b in events
-                    if kind == "device" and start <= a <= end and name != STEP)  # fmt: skip
+    _, device = step_activities(events)
     finish(engine)
     gaps = idle_by_gap(device)
     return timeline | {
@@ -332,15 +330,26 @@ def intervals(prof) -> list[tuple[str, str, float, float]]:
     ]  # fmt: skip
 
 
+def step_activities(
+    events: list[tuple[str, str, float, float]],
+) -> tuple[tuple[float, float], list[tuple[float, float, str]]]:
+    """The profiled step's host range, and the device's activities from its start on (start,
+    end, name), in start order; not the device's copy of the step's range (a CUDA trace
+    shows record_function ranges on the device too)."""
+    (step,) = [(a, b) for kind, name, a, b in events if kind == "host" and name == STEP]
+    device = sorted((a, b, name) for kind, name, a, b in events
+                    if kind == "device" and a >= step[0] and name != STEP)  # fmt: skip
+    return step, device
+
+
 def step_timeline(events: list[tuple[str, str, float, float]]) -> dict:
     """Where a profiled step's wall time goes, in ms: the host's work before the device's
     first activity, the device's span from first start to last end (busy: the union of its
     activities; idle: the rest of the span), the host's after it, and the graph launches'
     host time. Only the device part is None on a CPU. The device's copy of the step's range
     (a CUDA trace shows record_function ranges on the device too) is no activity."""
-    (step,) = [(a, b) for kind, name, a, b in events if kind == "host" and name == STEP]
-    device = sorted((a, b) for kind, name, a, b in events
-                    if kind == "device" and a >= step[0] and name != STEP)  # fmt: skip
+    step, activities = step_activities(events)
+    device = [(a, b) for a, b, _ in activities]
     launches = [b - a for kind, name, a, b in events if kind == "host" and name == GRAPH_LAUNCH]
     result = {"wall_ms": (step[1] - step[0]) / 1e3, "graph_launches": len(launches),
               "graph_launch_ms": sum(launches) / 1e3}  # fmt: skip
