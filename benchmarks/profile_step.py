@@ -494,6 +494,10 @@ def build(
     )
 
 
+SECTIONS = {"decode", "phases", "kernels", "pieces", "mixed", "host", "prefill", "step-kernels",
+            "timeline"}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="random:qwen3-0.6b")
@@ -552,6 +556,11 @@ def main() -> None:
         if args.no_gemv:
             setattr(gemv, table, ())
     sections = set(args.sections.split(","))
+    if sections - SECTIONS:
+        parser.error(
+            f"unknown --sections {','.join(sorted(sections - SECTIONS))}: "
+            f"choose among {','.join(sorted(SECTIONS))}"
+        )
     lengths = [int(n) for n in args.prefill_lengths.split(",")]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     bandwidth = copy_bandwidth() if "decode" in sections else None

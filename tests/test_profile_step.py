@@ -134,3 +134,14 @@ def test_idle_gaps_open_only_past_the_latest_end_and_sum_by_their_ends(profile_s
     gaps = profile_step.idle_by_gap(device)
     assert gaps == {"segment -> attention": 6.0, "attention -> segment": 5.0}
     assert profile_step.idle_by_gap([]) == {}
+
+
+def test_an_unknown_section_is_refused_naming_it_and_the_choices(
+    profile_step, monkeypatch, tmp_path, capsys
+):
+    with pytest.raises(SystemExit):
+        run_on_tiny(profile_step, monkeypatch, tmp_path, "--sections", "timline,decode")
+    error = capsys.readouterr().err
+    assert "unknown --sections timline: choose among " in error
+    assert all(name in error for name in ("decode", "step-kernels", "timeline"))
+    assert not (tmp_path / "rows.jsonl").exists()  # refused before any engine ran
